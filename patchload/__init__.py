@@ -1,0 +1,116 @@
+"""patchload: rank-aware Hugging Face model loading for distributed PyTorch jobs.
+
+``import patchload`` installs the patches (unless ``PATCHLOAD=0``): under torchrun, accelerate,
+deepspeed, srun or mpirun one process downloads and reads the weights, the others wait and
+receive them. With one process every patched call passes straight through.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import _state
+from ._config import Config, load_config
+from ._errors import (
+    ConfigError,
+    LeaderFailedError,
+    PatchConflictError,
+    PatchloadError,
+    PatchloadTimeout,
+)
+from ._topology import Topology
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "LeaderFailedError",
+    "PatchConflictError",
+    "PatchloadError",
+    "PatchloadTimeout",
+    "Topology",
+    "install",
+    "is_installed",
+    "load_config",
+    "main_process_first",
+    "patch",
+    "topology",
+    "uninstall",
+    "unpatch",
+]
+
+__version__ = "0.1.0"
+
+
+def install(config: Config | None = None) -> None:
+    """Install every patch (now, or when the patched library is first imported). Idempotent.
+
+    Args:
+        config: the settings; read from the ``PATCHLOAD_*`` variables when None.
+
+    Raises:
+        ConfigError: a ``PATCHLOAD_*`` variable holds a bad value.
+    """
+    from ._hub import hub_patches
+    from ._load import load_patches
+    from ._patching import install_patches
+
+    cfg = config or load_config()
+    _configure_logging(cfg)
+    _state.set_active(True, cfg)
+    install_patches(hub_patches() + load_patches())
+
+
+def uninstall() -> None:
+    """Remove every patch, restoring the original objects (identity), in reverse order.
+
+    Raises:
+        PatchConflictError: another library replaced a patched attribute after patchload.
+    """
+    from ._patching import uninstall_patches
+
+    _state.set_active(False)
+    uninstall_patches()
+
+
+def is_installed() -> bool:
+    """True while the patches are installed."""
+    return _state.active()
+
+
+patch = install
+unpatch = uninstall
+
+
+def topology() -> Topology:
+    """This process's rank, world size, local rank, local world size and node (no I/O)."""
+    from ._topology import current_topology
+
+    return current_topology()
+
+
+def main_process_first(scope: str = "node"):  # type: ignore[no-untyped-def]
+    """Context manager: the leader of ``scope`` runs the block first, then the others.
+
+    See :func:`patchload._first.main_process_first`.
+    """
+    from ._first import main_process_first as _main_process_first
+
+    return _main_process_first(scope)
+
+
+def _configure_logging(cfg: Config) -> None:
+    # Only when the user asked for a level explicitly: a library leaves logging alone otherwise.
+    import os
+
+    if not os.environ.get("PATCHLOAD_LOG_LEVEL"):
+        return
+    log = logging.getLogger("patchload")
+    log.setLevel(cfg.log_level)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+
+
+if load_config().enabled:
+    install()

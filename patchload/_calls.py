@@ -1,0 +1,162 @@
+"""Coordinated top-level calls: the leader runs the real call, followers rerun it from the cache.
+
+Every patched entry point (``hf_hub_download``, ``snapshot_download``, ``from_pretrained`` of
+configs, tokenizers, processors, models and the Auto classes) goes through :func:`coordinated`.
+The outermost patched call of a thread is the one coordinated: its leader runs the original call,
+which downloads whatever it needs (revision resolution, metadata calls, files); its followers wait
+for the leader's outcome and then run the same original call with ``local_files_only=True``, so
+they make no HTTP request at all. Patched calls nested inside run as they are, except that inside
+a follower they are forced offline, and inside a node-scoped leader (weights shared per node) the
+hub downloads are coordinated among node leaders at the job's download scope.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Final
+
+from . import _coordinate, _state
+from ._scope import download_scope
+from ._store import job_store
+from ._topology import current_topology
+
+__all__ = ["Mode", "current_mode", "coordinated", "deciding_arguments"]
+
+logger = logging.getLogger(__name__)
+
+# Arguments that never change what a call returns, or differ per rank without meaning.
+_VOLATILE: Final = frozenset({
+    "token", "use_auth_token", "tqdm_class", "user_agent", "headers", "proxies", "etag_timeout",
+    "library_name", "library_version", "max_workers", "resume_download", "local_files_only",
+    "force_download", "_from_auto", "_from_pipeline", "_commit_hash",
+})
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_OFFLINE: Final = {"local_files_only": True, "force_download": False}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What the enclosing coordinated call is doing on this rank.
+
+    Attributes:
+        lead: True on the leader, False on a follower.
+        scope: the enclosing call's scope, ``node`` or ``job``.
+        payload: the leader's published payload (followers only).
+        used: per-call scratch space for nested wrappers (e.g. whether weights were received).
+    """
+
+    lead: bool
+    scope: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    used: dict[str, Any] = field(default_factory=dict)
+
+
+_MODE: contextvars.ContextVar[Mode | None] = contextvars.ContextVar("patchload_mode", default=None)
+
+
+def current_mode() -> Mode | None:
+    """The mode of the enclosing coordinated call in this thread, or None at top level."""
+    return _MODE.get()
+
+
+def deciding_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments that decide a call's result, as stable strings (no object addresses)."""
+    deciding = {f"arg{i}": _ADDRESS.sub("", repr(a)) for i, a in enumerate(args)}
+    deciding.update({k: _ADDRESS.sub("", repr(v)) for k, v in kwargs.items()
+                     if k not in _VOLATILE})
+    return deciding
+
+
+def _offline(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**kwargs, **_OFFLINE}
+
+
+def _cache_miss(err: BaseException) -> bool:
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, LocalEntryNotFoundError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _offline_or_online(wrapped: Callable[..., Any], args: tuple[Any, ...],
+                       kwargs: dict[str, Any], call: _coordinate.Call) -> Any:
+    """Follower: rerun the call from the cache; if the cache lacks what the leader fetched (it
+    is not the cache the leader wrote to), warn and make the call online."""
+    try:
+        return wrapped(*args, **_offline(kwargs))
+    except OSError as err:
+        if not _cache_miss(err):
+            raise
+        logger.warning("%s: the leader succeeded but this rank's cache lacks its files (%s): "
+                       "downloading here; set PATCHLOAD_DOWNLOAD_SCOPE=node if caches are "
+                       "node-local", call.prefix(), err)
+        return wrapped(*args, **kwargs)
+
+
+def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any], *, what: str, scope: str | None = None,
+                share: Callable[[Any, _coordinate.Call],
+                                tuple[dict[str, Any], Callable[[], None] | None]] | None = None,
+                settle: Callable[[Any, Mode], Any] | None = None) -> Any:
+    """Run ``wrapped(*args, **kwargs)`` leader-first across the ranks of its scope.
+
+    Not collective: no rank waits for ranks that do not make the same call.
+
+    Args:
+        name: the patched function's name (part of the call key).
+        wrapped: the original function.
+        args, kwargs: the caller's arguments, passed through untouched on the leader.
+        what: human-readable description for logs and errors.
+        scope: ``node`` or ``job``; the download scope when None.
+        share: run by the leader on the result; returns extra payload for followers (weights)
+            and a step to run once the payload is published (or None).
+        settle: run by a follower on its result before returning it.
+
+    Returns:
+        The original call's result on this rank.
+
+    Raises:
+        The leader's exception, on every rank of the scope (see
+        :func:`patchload._coordinate.leader_first`).
+    """
+    mode = _MODE.get()
+    topology = current_topology()
+    if not topology.distributed or not _state.active():
+        return wrapped(*args, **kwargs)
+    config = _state.config()
+    if mode is not None and not mode.lead:
+        return wrapped(*args, **_offline(kwargs))  # a follower rerunning from the cache
+    store = job_store()
+    hub_scope = download_scope(config, topology, store)
+    if mode is not None and not (mode.scope == "node" and hub_scope == "job" and share is None):
+        return wrapped(*args, **kwargs)  # nested inside a leader: its own call covers this one
+    scope = scope or hub_scope
+    call = _coordinate.call_key(name, deciding_arguments(args, kwargs), scope=scope,
+                                topology=topology, config=config, what=what)
+
+    def lead() -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
+        token = _MODE.set(Mode(lead=True, scope=scope))
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            _MODE.reset(token)
+        payload, after = share(result, call) if share is not None else ({}, None)
+        return result, payload, after
+
+    def follow(role: _coordinate.Role, payload: dict[str, Any]) -> Any:
+        mode = Mode(lead=False, scope=scope, payload=payload)
+        token = _MODE.set(mode)
+        try:
+            result = _offline_or_online(wrapped, args, kwargs, call)
+        finally:
+            _MODE.reset(token)
+        return settle(result, mode) if settle is not None else result
+
+    return _coordinate.leader_first(call, lead, follow)

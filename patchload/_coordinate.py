@@ -1,0 +1,322 @@
+"""Leader-first execution of one call across the ranks of a scope, through the job store.
+
+For one *call key* (function, deciding arguments, occurrence count), the first rank of the scope
+to claim the key in the store (``compare_set``) is the leader: it runs the call and publishes the
+*outcome* as JSON: success with a payload, or its exception (class, message, rank). The other ranks
+(followers) wait for the outcome, bounded by ``PATCHLOAD_TIMEOUT``, while watching the leader's
+heartbeat and, on the same host, its pid; then they act on the payload or raise the leader's
+exception. Nothing read from the store is ever unpickled or executed.
+
+Ranks that call out of step, alone, or with other arguments never wait for a leader that will not
+come: they claim their own key, and a late rank finds the outcome already published.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Final, TypeVar
+
+import psutil
+
+from ._config import Config
+from ._errors import LeaderFailedError, PatchloadTimeout, describe_exception, follower_exception
+from ._store import JobStore, job_store
+from ._topology import Topology
+
+__all__ = ["Call", "Role", "call_key", "leader_first", "publish", "wait_outcome"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_POLL_MIN_S: Final = 0.01
+_POLL_MAX_S: Final = 0.25
+_PROGRESS_EVERY_S: Final = 30.0
+_HOST: Final = socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Call:
+    """One patched call, as matched across ranks.
+
+    Attributes:
+        key: store key prefix unique to this call in this job and scope.
+        what: human-readable description for messages, e.g. ``hf_hub_download('org/m', 'a.json')``.
+        scope: ``node`` or ``job``: which ranks share the leader.
+        topology: this rank's topology when the call was made.
+        config: the configuration in force.
+        store: the job store.
+    """
+
+    key: str
+    what: str
+    scope: str
+    topology: Topology
+    config: Config
+    store: JobStore
+
+    def prefix(self, leader_rank: int | None = None) -> str:
+        """``[rank r/n]`` (and the leader) for log lines and error messages."""
+        head = f"[rank {self.topology.rank}/{self.topology.world_size}]"
+        return head if leader_rank is None else f"{head} {self.what} (leader rank {leader_rank})"
+
+
+_COUNTS: collections.Counter[str] = collections.Counter()
+_COUNTS_LOCK = threading.Lock()
+
+
+def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topology,
+             config: Config, what: str) -> Call:
+    """Build the :class:`Call` for this process's next call of ``name`` with ``deciding`` arguments.
+
+    Args:
+        name: the patched function, e.g. ``hf_hub_download``.
+        deciding: the arguments that decide the call's result; rendered with ``repr`` (sorted), so
+            equal arguments on two ranks give equal keys.
+        scope: ``node`` or ``job``.
+        topology: this rank's topology.
+        config: the configuration in force.
+        what: human-readable description of the call.
+
+    Returns:
+        The call, whose key also counts how many times this process made a call with the same
+        name and arguments (so the n-th call on one rank meets the n-th call on the others).
+    """
+    digest = hashlib.sha1(repr((name, sorted(deciding.items()))).encode()).hexdigest()[:20]
+    where = f"node{topology.node}" if scope == "node" else "job"
+    base = f"{where}/{name}/{digest}"
+    with _COUNTS_LOCK:
+        count = _COUNTS[base]
+        _COUNTS[base] += 1
+    return Call(f"{base}/{count}/", what, scope, topology, config, job_store())
+
+
+@dataclass(frozen=True)
+class Role:
+    """This rank's part in a call: lead it, or follow ``leader_rank``."""
+
+    lead: bool
+    leader_rank: int
+    leader_pid: int
+    leader_host: str
+
+
+def claim(call: Call) -> Role:
+    """Claim the leadership of ``call``, or learn who holds it. Not collective; never waits.
+
+    Returns:
+        The role: ``lead=True`` if this rank is the first of its scope to claim the key.
+    """
+    me = json.dumps({"rank": call.topology.rank, "pid": os.getpid(), "host": _HOST})
+    with call.store.lock:
+        holder = call.store.store.compare_set(call.key + "leader", "", me).decode()
+    info = json.loads(holder)
+    return Role(holder == me, int(info["rank"]), int(info["pid"]), str(info["host"]))
+
+
+class _Heartbeat:
+    """One daemon thread per process that bumps a heartbeat counter for every call it leads."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, tuple[JobStore, float]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, call: Call) -> None:
+        with self._lock:
+            self._keys[call.key] = (call.store, call.config.heartbeat_s)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="patchload-heartbeat",
+                                                daemon=True)
+                self._thread.start()
+
+    def remove(self, call: Call) -> None:
+        with self._lock:
+            self._keys.pop(call.key, None)
+
+    def _run(self) -> None:
+        due: dict[str, float] = {}
+        while True:
+            with self._lock:
+                if not self._keys:
+                    self._thread = None
+                    return
+                items = list(self._keys.items())
+            now = time.monotonic()
+            for key, (store, period) in items:
+                if due.get(key, 0.0) <= now:
+                    due[key] = now + period
+                    try:
+                        with store.lock:
+                            store.store.add(key + "heartbeat", 1)
+                    except Exception as err:  # noqa: BLE001 - a store hiccup must not kill the beat
+                        logger.warning("heartbeat for %s failed: %s", key, err)
+            time.sleep(0.1)
+
+
+_HEARTBEAT = _Heartbeat()
+
+
+def publish(call: Call, outcome: dict[str, Any]) -> None:
+    """Publish the leader's outcome for ``call`` (JSON-able dict). Not collective."""
+    with call.store.lock:
+        call.store.store.set(call.key + "outcome", json.dumps(outcome))
+
+
+def _leader_alive(call: Call, role: Role) -> bool:
+    if role.leader_host != _HOST:
+        return True
+    try:
+        return psutil.Process(role.leader_pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_outcome(call: Call, role: Role) -> dict[str, Any]:
+    """Wait for the leader's outcome of ``call``. Not collective; bounded.
+
+    Returns:
+        The outcome dict the leader published.
+
+    Raises:
+        LeaderFailedError: the leader's process is gone (same host), or its heartbeat stopped for
+            two ``PATCHLOAD_HEARTBEAT`` periods.
+        PatchloadTimeout: no outcome within ``PATCHLOAD_TIMEOUT`` seconds.
+    """
+    cfg, store = call.config, call.store
+    start = last_beat_at = last_progress = time.monotonic()
+    last_beat = None
+    poll = _POLL_MIN_S
+    while True:
+        with store.lock:
+            if store.store.check([call.key + "outcome"]):
+                return json.loads(store.store.get(call.key + "outcome"))
+            beat = store.store.add(call.key + "heartbeat", 0)
+        now = time.monotonic()
+        if beat != last_beat:
+            last_beat, last_beat_at = beat, now
+        waited = now - start
+        cause = None
+        if not _leader_alive(call, role):
+            cause = f"its process (pid {role.leader_pid}) is gone"
+        elif now - last_beat_at > 2 * cfg.heartbeat_s + 1.0:
+            cause = f"no heartbeat for {now - last_beat_at:.0f} s"
+        if cause is not None:
+            with store.lock:  # it may have published just before dying
+                if store.store.check([call.key + "outcome"]):
+                    return json.loads(store.store.get(call.key + "outcome"))
+            raise LeaderFailedError(
+                f"{call.prefix(role.leader_rank)}: the leader failed: {cause}",
+                rank=call.topology.rank, leader_rank=role.leader_rank, cause=cause)
+        if waited > cfg.timeout_s:
+            raise PatchloadTimeout(
+                f"{call.prefix(role.leader_rank)}: waited for the leader's outcome: timed out "
+                f"after {cfg.timeout_s:.0f} s (PATCHLOAD_TIMEOUT)",
+                rank=call.topology.rank, leader_rank=role.leader_rank, waited_s=waited)
+        if now - last_progress > _PROGRESS_EVERY_S:
+            last_progress = now
+            logger.info("%s: still waiting for the leader (%.0f s elapsed, timeout %.0f s)",
+                        call.prefix(role.leader_rank), waited, cfg.timeout_s)
+        time.sleep(poll)
+        poll = min(_POLL_MAX_S, poll * 1.5)
+
+
+def raise_failure(call: Call, role: Role, outcome: dict[str, Any]) -> None:
+    """Raise the leader's published error on a follower (see :func:`follower_exception`)."""
+    error = outcome["error"]
+    raise follower_exception(error, rank=call.topology.rank, leader_rank=role.leader_rank,
+                             prefix=f"{call.prefix(role.leader_rank)} failed on the leader: ")
+
+
+def leader_first(call: Call,
+                 lead: Callable[[], tuple[T, dict[str, Any], Callable[[], None] | None]],
+                 follow: Callable[[Role, dict[str, Any]], T]) -> T:
+    """Run ``lead`` on the call's leader and ``follow`` on every other rank of its scope.
+
+    Not collective: each rank returns as soon as its own part is done; the leader never waits for
+    followers.
+
+    Args:
+        call: the call, from :func:`call_key`.
+        lead: run by the leader; returns (result, payload, after). The payload (JSON-able) is
+            published with the success outcome; ``after`` (or None) runs once it is published
+            (e.g. a broadcast the followers join after reading the payload). An exception from
+            ``after`` is logged, not raised: the leader's own result is already good.
+        follow: run by a follower once the leader succeeded, with the leader's role and payload.
+
+    Returns:
+        What ``lead`` or ``follow`` returned on this rank.
+
+    Raises:
+        Whatever ``lead`` raised, on the leader; on followers, the same class rebuilt from the
+        leader's outcome (message naming the leader rank and quoting its message), or
+        :class:`LeaderFailedError` / :class:`PatchloadTimeout` from :func:`wait_outcome`.
+    """
+    role = claim(call)
+    if role.lead:
+        _HEARTBEAT.add(call)
+        try:
+            try:
+                result, payload, after = lead()
+            except BaseException as err:
+                publish(call, {"ok": False, "error": describe_exception(err),
+                               "rank": call.topology.rank})
+                raise
+            publish(call, {"ok": True, "payload": payload})
+            if after is not None:
+                try:
+                    after()
+                except Exception as err:  # noqa: BLE001 - a private group; the result stands
+                    logger.warning("%s: sharing with the followers failed: %s", call.prefix(), err)
+        finally:
+            _HEARTBEAT.remove(call)
+        return result
+    logger.debug("%s: following", call.prefix(role.leader_rank))
+    with call.store.lock:  # lets the leader see who is waiting
+        call.store.store.set(call.key + f"arrived/{call.topology.rank}", str(os.getpid()))
+    try:
+        outcome = wait_outcome(call, role)
+        if not outcome.get("ok"):
+            raise_failure(call, role, outcome)
+        return follow(role, outcome.get("payload") or {})
+    finally:
+        with call.store.lock:
+            call.store.store.set(call.key + f"done/{call.topology.rank}", "1")
+
+
+def wait_followers_done(call: Call, timeout_s: float) -> None:
+    """Leader: wait until every follower that arrived at ``call`` is done with it (or dead).
+
+    Bounded by ``timeout_s`` seconds; logs what it waits for. Used before a leader exits while
+    followers may still need something only its process holds (a shared-memory blob).
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = [r for r in range(call.topology.world_size) if r != call.topology.rank]
+    logged = False
+    while pending and time.monotonic() < deadline:
+        still = []
+        with call.store.lock:
+            for r in pending:
+                if not call.store.store.check([call.key + f"arrived/{r}"]):
+                    continue
+                if call.store.store.check([call.key + f"done/{r}"]):
+                    continue
+                pid = int(call.store.store.get(call.key + f"arrived/{r}"))
+                if call.topology.node_of(r) == call.topology.node and not psutil.pid_exists(pid):
+                    continue
+                still.append(r)
+        pending = still
+        if pending and not logged:
+            logger.info("%s: waiting up to %.0f s for ranks %s to take the shared weights "
+                        "before exiting", call.prefix(), timeout_s, pending)
+            logged = True
+        if pending:
+            time.sleep(0.05)

@@ -1,0 +1,173 @@
+"""patchload's exception types, and how a leader's exception is re-raised on followers.
+
+Every error pickles (``__reduce__``), so it survives ``torch.multiprocessing`` and the like. A
+leader's exception crosses ranks as JSON (class path, message, rank), never as a pickle; the
+follower re-raises it as a class derived from the original, so an ``except`` clause written for the
+plain call still catches it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = [
+    "PatchloadError",
+    "ConfigError",
+    "LeaderFailedError",
+    "PatchloadTimeout",
+    "PatchConflictError",
+    "describe_exception",
+    "follower_exception",
+]
+
+
+class PatchloadError(RuntimeError):
+    """Base of every error patchload raises itself.
+
+    Attributes:
+        rank: the global rank that raised, or None outside a distributed job.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type, args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    exc = cls.__new__(cls)
+    BaseException.__init__(exc, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
+class ConfigError(PatchloadError, ValueError):
+    """A ``PATCHLOAD_*`` variable holds a value outside its accepted values.
+
+    Attributes:
+        variable: the environment variable's name.
+        value: the rejected value, as read.
+    """
+
+    def __init__(self, variable: str, value: str, accepted: str) -> None:
+        super().__init__(f"{variable}={value!r} is not valid: accepted values are {accepted}")
+        self.variable = variable
+        self.value = value
+
+
+class LeaderFailedError(PatchloadError):
+    """The leader of a call failed (raised, died or went silent) before publishing its outcome.
+
+    Attributes:
+        leader_rank: the global rank of the leader.
+        cause: the leader's message, or why it is presumed dead.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, leader_rank: int | None = None,
+                 cause: str = "") -> None:
+        super().__init__(message, rank=rank)
+        self.leader_rank = leader_rank
+        self.cause = cause
+
+
+class PatchloadTimeout(PatchloadError, TimeoutError):
+    """A follower waited longer than ``PATCHLOAD_TIMEOUT`` seconds for its leader.
+
+    Attributes:
+        leader_rank: the global rank waited for.
+        waited_s: how long it waited, in seconds.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, leader_rank: int | None = None,
+                 waited_s: float = 0.0) -> None:
+        super().__init__(message, rank=rank)
+        self.leader_rank = leader_rank
+        self.waited_s = waited_s
+
+
+class PatchConflictError(PatchloadError):
+    """Another library replaced an attribute patchload patched, so it cannot be restored."""
+
+
+def describe_exception(exc: BaseException) -> dict[str, str]:
+    """The JSON-able description of ``exc`` a leader publishes: class path and message."""
+    cls = type(exc)
+    original = getattr(exc, "_patchload_original", None)
+    if original is not None:  # a follower error re-published: keep the leader's own class
+        cls = original
+    return {"module": cls.__module__, "qualname": cls.__qualname__, "message": str(exc)}
+
+
+def _resolve_class(module: str, qualname: str) -> type[BaseException] | None:
+    # Only classes of modules this process already imported: nothing from the store is imported
+    # or executed.
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+        return obj
+    return None
+
+
+_FOLLOWER_CLASSES: dict[type, type] = {}
+
+
+def _follower_class(original: type[BaseException]) -> type[BaseException]:
+    cls = _FOLLOWER_CLASSES.get(original)
+    if cls is not None:
+        return cls
+    namespace = {"__str__": lambda self: self._patchload_message,
+                 "__reduce__": lambda self: (_rebuild_follower, (original, self._patchload_message,
+                                                                 self.rank, self.leader_rank)),
+                 "__module__": original.__module__}
+    try:
+        cls = type(original.__name__, (original, LeaderFailedError), namespace)
+    except TypeError:  # instance layouts conflict (C-level bases): keep only the original
+        cls = type(original.__name__, (original,), namespace)
+    cls.__qualname__ = original.__qualname__
+    _FOLLOWER_CLASSES[original] = cls
+    return cls
+
+
+def _rebuild_follower(original: type[BaseException], message: str, rank: int | None,
+                      leader_rank: int | None) -> BaseException:
+    return follower_exception({"module": original.__module__, "qualname": original.__qualname__,
+                               "message": message}, rank=rank, leader_rank=leader_rank,
+                              prefix="")
+
+
+def follower_exception(description: dict[str, str], *, rank: int | None, leader_rank: int | None,
+                       prefix: str) -> BaseException:
+    """Rebuild a leader's exception on a follower.
+
+    Args:
+        description: what :func:`describe_exception` returned on the leader.
+        rank: this follower's global rank.
+        leader_rank: the leader's global rank.
+        prefix: text put before the leader's message (names the ranks and the action).
+
+    Returns:
+        An exception whose class derives from the leader's class (and from
+        :class:`LeaderFailedError` where the layouts allow), so ``except`` clauses written for the
+        plain call catch it; :class:`LeaderFailedError` when the class is not importable here.
+        The original ``__init__`` is not called: only ``args``, ``rank``, ``leader_rank`` and
+        ``cause`` are set.
+    """
+    message = prefix + description.get("message", "")
+    original = _resolve_class(description.get("module", ""), description.get("qualname", ""))
+    if original is None:
+        name = f"{description.get('module')}.{description.get('qualname')}"
+        return LeaderFailedError(f"{message} (leader raised {name})", rank=rank,
+                                 leader_rank=leader_rank, cause=description.get("message", ""))
+    cls = _follower_class(original)
+    exc = cls.__new__(cls)
+    BaseException.__init__(exc, message)
+    exc._patchload_message = message
+    exc._patchload_original = original
+    exc.rank = rank
+    exc.leader_rank = leader_rank
+    exc.cause = description.get("message", "")
+    return exc

@@ -1,0 +1,72 @@
+"""Patches for hub downloads and for the ``from_pretrained`` of everything but model weights.
+
+``huggingface_hub.hf_hub_download`` and ``snapshot_download`` are wrapped where they are defined
+and rebound wherever a module already imported them by name (``transformers.utils.hub``,
+``huggingface_hub._snapshot_download``, ``huggingface_hub.repocard``, ...). Configs, tokenizers,
+processors, feature extractors, image and video processors, generation configs and the Auto
+classes are wrapped at their ``from_pretrained``, so one call (revision resolution, metadata
+requests, every file) runs on the leader and followers rerun it from the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Final
+
+from ._calls import coordinated
+from ._patching import Patch
+
+__all__ = ["hub_patches"]
+
+# (module, attribute path) of every from_pretrained that fetches files but no weights.
+_ENTRY_POINTS: Final = (
+    ("transformers.configuration_utils", "PreTrainedConfig.from_pretrained"),
+    ("transformers.configuration_utils", "PretrainedConfig.from_pretrained"),
+    ("transformers.models.auto.configuration_auto", "AutoConfig.from_pretrained"),
+    ("transformers.tokenization_utils_base", "PreTrainedTokenizerBase.from_pretrained"),
+    ("transformers.models.auto.tokenization_auto", "AutoTokenizer.from_pretrained"),
+    ("transformers.processing_utils", "ProcessorMixin.from_pretrained"),
+    ("transformers.models.auto.processing_auto", "AutoProcessor.from_pretrained"),
+    ("transformers.feature_extraction_utils", "FeatureExtractionMixin.from_pretrained"),
+    ("transformers.models.auto.feature_extraction_auto", "AutoFeatureExtractor.from_pretrained"),
+    ("transformers.image_processing_base", "ImageProcessingMixin.from_pretrained"),
+    ("transformers.models.auto.image_processing_auto", "AutoImageProcessor.from_pretrained"),
+    ("transformers.video_processing_utils", "BaseVideoProcessor.from_pretrained"),
+    ("transformers.models.auto.video_processing_auto", "AutoVideoProcessor.from_pretrained"),
+    ("transformers.generation.configuration_utils", "GenerationConfig.from_pretrained"),
+)
+
+
+def _first(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int) -> Any:
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
+def _hub_function(name: str) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        repo = _first(args, kwargs, "repo_id", 0)
+        filename = _first(args, kwargs, "filename", 1) if name == "hf_hub_download" else None
+        what = f"{name}({repo!r}" + (f", {filename!r})" if filename else ")")
+        return coordinated(name, wrapped, args, kwargs, what=what)
+
+    return wrapper
+
+
+def _entry_point(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+    owner = instance if isinstance(instance, type) else type(instance)
+    name = f"{owner.__module__}.{owner.__qualname__}.from_pretrained"
+    source = _first(args, kwargs, "pretrained_model_name_or_path", 0)
+    return coordinated(name, wrapped, args, kwargs,
+                       what=f"{owner.__name__}.from_pretrained({source!r})")
+
+
+def hub_patches() -> list[Patch]:
+    """The patches for hub functions and non-model ``from_pretrained`` entry points."""
+    patches = [
+        Patch("huggingface_hub.file_download", "hf_hub_download",
+              _hub_function("hf_hub_download"), rebind_aliases=True),
+        Patch("huggingface_hub._snapshot_download", "snapshot_download",
+              _hub_function("snapshot_download"), rebind_aliases=True),
+    ]
+    patches += [Patch(module, path, _entry_point) for module, path in _ENTRY_POINTS]
+    return patches

@@ -1,0 +1,163 @@
+"""Installs and removes patches with wrapt, whatever the import order.
+
+A patch names a module, a dotted attribute path and a wrapper ``(wrapped, instance, args,
+kwargs)``. If the module is imported, the patch lands now; otherwise a wrapt post-import hook lands
+it when the module is first imported. Every landed patch keeps ``(parent, attribute, original)``
+from ``wrapt.resolve_path`` so :func:`uninstall` restores the exact original objects, in reverse
+order. Hub functions are also rebound wherever a module already holds them by name (``from
+huggingface_hub import hf_hub_download`` copies the function into the importing module).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import wrapt
+
+from . import _state
+from ._errors import PatchConflictError
+
+__all__ = ["Patch", "install_patches", "uninstall_patches", "installed_patches"]
+
+logger = logging.getLogger(__name__)
+
+Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One attribute to wrap.
+
+    Attributes:
+        module: the module that defines it, e.g. ``huggingface_hub.file_download``.
+        path: dotted attribute path inside the module, e.g. ``PreTrainedModel.from_pretrained``.
+        wrapper: the wrapt wrapper.
+        rebind_aliases: also replace every module-level attribute that holds the original (for
+            functions imported by name elsewhere).
+        expand: when set, ``path`` is ignored and ``expand(module)`` lists the paths to wrap
+            (for attributes a library copies per class, like the Auto classes' from_pretrained).
+    """
+
+    module: str
+    path: str
+    wrapper: Wrapper
+    rebind_aliases: bool = False
+    expand: Callable[[Any], list[str]] | None = None
+
+
+@dataclass
+class _Landed:
+    parent: Any
+    attribute: str
+    original: Any
+    replacement: Any
+    owned: bool  # the attribute was in vars(parent) before patching
+
+
+_LANDED: list[_Landed] = []
+_LOCK = threading.RLock()
+_GENERATION = 0  # bumps on uninstall, so post-import hooks of an old install do nothing
+
+
+def _land(parent: Any, attribute: str, original: Any, replacement: Any) -> None:
+    owned = attribute in vars(parent)
+    wrapt.apply_patch(parent, attribute, replacement)
+    _LANDED.append(_Landed(parent, attribute, original, replacement, owned))
+
+
+def _is_ours(obj: Any) -> bool:
+    return isinstance(obj, wrapt.FunctionWrapper) and getattr(obj, "_self_patchload", False)
+
+
+def _apply(patch: Patch, module: Any) -> None:
+    for path in patch.expand(module) if patch.expand is not None else [patch.path]:
+        _apply_path(patch, module, path)
+
+
+def _apply_path(patch: Patch, module: Any, path: str) -> None:
+    parent, attribute, original = wrapt.resolve_path(module, path)
+    if _is_ours(original):
+        return
+    replacement = wrapt.FunctionWrapper(original, patch.wrapper, enabled=_state.active)
+    replacement._self_patchload = True
+    _land(parent, attribute, original, replacement)
+    logger.debug("patched %s.%s", patch.module, path)
+    if patch.rebind_aliases:
+        _rebind(original, replacement)
+
+
+def _rebind(original: Any, replacement: Any) -> None:
+    for name, mod in list(sys.modules.items()):
+        namespace = getattr(mod, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attribute, value in list(namespace.items()):
+            if value is original:
+                _land(mod, attribute, original, replacement)
+                logger.debug("rebound %s.%s", name, attribute)
+
+
+def install_patches(patches: list[Patch]) -> None:
+    """Land every patch now or when its module is imported. Idempotent.
+
+    A patch whose target attribute does not exist in the installed library version is skipped
+    with a DEBUG line (libraries move things between versions).
+    """
+    with _LOCK:
+        generation = _GENERATION
+        for patch in patches:
+            def hook(module: Any, patch: Patch = patch) -> None:
+                with _LOCK:
+                    if generation != _GENERATION:
+                        return
+                    try:
+                        _apply(patch, module)
+                    except (AttributeError, wrapt.PathResolutionError) as err:
+                        logger.debug("not patching %s.%s: %s", patch.module, patch.path, err)
+
+            if patch.module in sys.modules:
+                hook(sys.modules[patch.module])
+            else:
+                wrapt.register_post_import_hook(hook, patch.module)
+
+
+def uninstall_patches() -> None:
+    """Restore every patched attribute to its original object, in reverse order.
+
+    Raises:
+        PatchConflictError: some attribute no longer holds patchload's wrapper (another library
+            replaced it); the others are still restored.
+    """
+    global _GENERATION
+    conflicts = []
+    with _LOCK:
+        _GENERATION += 1
+        while _LANDED:
+            landed = _LANDED.pop()
+            current = vars(landed.parent).get(landed.attribute)
+            if current is not landed.replacement:
+                conflicts.append(f"{_name(landed.parent)}.{landed.attribute}")
+                continue
+            if landed.owned:
+                setattr(landed.parent, landed.attribute, landed.original)
+            else:
+                delattr(landed.parent, landed.attribute)
+    if conflicts:
+        raise PatchConflictError("cannot restore attributes replaced by someone else after "
+                                 "patchload patched them: " + ", ".join(conflicts))
+
+
+def _name(parent: Any) -> str:
+    if isinstance(parent, type):
+        return f"{parent.__module__}.{parent.__qualname__}"
+    return getattr(parent, "__name__", repr(parent))
+
+
+def installed_patches() -> list[str]:
+    """The patched attributes, as ``module.attribute`` strings, in install order."""
+    with _LOCK:
+        return [f"{_name(p.parent)}.{p.attribute}" for p in _LANDED]

@@ -1,0 +1,142 @@
+"""The job-wide key-value store patchload coordinates through, and node-local file locations.
+
+Coordination never uses collectives on the user's process group: it goes through a
+``torch.distributed.Store``, picked in this order:
+
+1. under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``), a ``TCPStore`` client of the agent's
+   store at ``MASTER_ADDR:MASTER_PORT``: there before and after the user's ``init_process_group``;
+2. the default process group's store, once ``init_process_group`` ran;
+3. a ``FileStore`` in a node-local, per-user directory: downloads are then coordinated inside one
+   node only.
+
+Every key is namespaced with a ``PrefixStore`` naming the job (run id and restart count), so a
+restarted job never sees the keys of the attempt before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+import psutil
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+__all__ = ["JobStore", "job_store", "private_dir"]
+
+logger = logging.getLogger(__name__)
+
+_STORE_OP_TIMEOUT: Final = timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class JobStore:
+    """A namespaced store shared by the ranks of one job.
+
+    Attributes:
+        store: the ``PrefixStore``-wrapped store; keys are patchload's own.
+        kind: ``agent`` (torchrun's TCPStore), ``process_group`` (the default group's store) or
+            ``file`` (node-local ``FileStore``; coordinates one node only).
+        lock: serialises this process's use of ``store`` across threads (the heartbeat thread
+            shares it with the caller's thread).
+    """
+
+    store: Store
+    kind: str
+    lock: threading.RLock
+
+    @property
+    def node_local(self) -> bool:
+        """True when only the ranks of this node share the store."""
+        return self.kind == "file"
+
+
+_CACHE: dict[tuple[str, int], JobStore] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def private_dir() -> Path:
+    """A directory only this user can read, for patchload's node-local files (mode ``0700``).
+
+    Raises:
+        PermissionError: the directory exists but belongs to another user or is open to others.
+    """
+    path = Path(tempfile.gettempdir()) / f"patchload-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077 or not os.path.isdir(path):
+        raise PermissionError(f"{path} must be a directory owned by uid {os.getuid()} with mode "
+                              f"0700 (found uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+    return path
+
+
+def _job_id() -> str:
+    """What names this job run on this node and no other, for namespacing keys."""
+    env = os.environ
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"):
+        if env.get(name):
+            attempt = env.get("TORCHELASTIC_RESTART_COUNT", "") + env.get("SLURM_STEP_ID", "")
+            return f"{env[name]}.{attempt}"
+    # No launcher id: the parent process (the launcher) and its start time.
+    parent = psutil.Process().parent()
+    if parent is None:
+        return f"pid{os.getpid()}"
+    return f"ppid{parent.pid}.{parent.create_time():.3f}"
+
+
+def _namespace() -> str:
+    master = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    return hashlib.sha1(f"{_job_id()}|{master}".encode()).hexdigest()[:16]
+
+
+def _make(kind: str) -> JobStore:
+    import torch.distributed as dist
+
+    if kind == "agent":
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             is_master=False, timeout=_STORE_OP_TIMEOUT)
+    elif kind == "process_group":
+        base = dist.distributed_c10d._get_default_store()
+    else:
+        path = private_dir() / f"store-{_namespace()}"
+        base = dist.FileStore(str(path), -1)
+        logger.warning("no job-wide store (not under torchrun and no process group yet): "
+                       "coordinating downloads inside this node only, through %s", path)
+    return JobStore(dist.PrefixStore(f"patchload/{_namespace()}/", base), kind, threading.RLock())
+
+
+def _kind() -> str:
+    import torch.distributed as dist
+
+    env = os.environ
+    if (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR")
+            and env.get("MASTER_PORT")):
+        return "agent"
+    if dist.is_available() and dist.is_initialized():
+        return "process_group"
+    return "file"
+
+
+def job_store() -> JobStore:
+    """The store this process coordinates through now (see the module docstring for the order).
+
+    Not collective: no rank waits for another here. Cached per process and kind.
+
+    Raises:
+        RuntimeError: torch.distributed is unavailable, or the agent store cannot be reached
+            within 60 s.
+    """
+    kind = _kind()
+    with _CACHE_LOCK:
+        key = (kind, os.getpid())
+        if key not in _CACHE:
+            _CACHE[key] = _make(kind)
+        return _CACHE[key]

@@ -1,0 +1,126 @@
+"""Where this process sits in the job: rank, world size, local rank, node. No I/O, no waiting.
+
+Read from an initialized default process group when there is one, else from the launcher's
+variables: torchrun / accelerate / the deepspeed launcher (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``), SLURM (``SLURM_PROCID``, ``SLURM_NTASKS``,
+``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS_PER_NODE``) and Open MPI
+(``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Final, Mapping
+
+__all__ = ["Topology", "current_topology"]
+
+# (launcher, rank, world size, local rank, local world size, node index) variable names.
+_LAUNCHERS: Final = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
+     "SLURM_NODEID"),
+    ("mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE", None),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """This process's place in the job.
+
+    Attributes:
+        rank: global rank, 0 <= rank < world_size.
+        world_size: number of processes in the job.
+        local_rank: index among the processes of this node.
+        local_world_size: number of processes on this node.
+        node: index of this node, 0 <= node < world_size // local_world_size.
+        launcher: where the figures come from: ``process_group``, ``torchrun``, ``slurm``,
+            ``mpi`` or ``none``.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node: int = 0
+    launcher: str = "none"
+
+    @property
+    def distributed(self) -> bool:
+        """True when there is more than one process in the job."""
+        return self.world_size > 1
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes, assuming the same number of processes on each."""
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    def node_of(self, rank: int) -> int:
+        """The node of global ``rank``, assuming ranks are laid out node by node (as every
+        supported launcher does)."""
+        return rank // max(1, self.local_world_size)
+
+    def node_ranks(self, node: int | None = None) -> range:
+        """The global ranks of ``node`` (this node when None)."""
+        node = self.node if node is None else node
+        return range(node * self.local_world_size, min(self.world_size,
+                                                       (node + 1) * self.local_world_size))
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}, local rank "
+                f"{self.local_rank}/{self.local_world_size}, node {self.node}/{self.num_nodes} "
+                f"(from {self.launcher})")
+
+
+def _int(env: Mapping[str, str], name: str | None) -> int | None:
+    if name is None:
+        return None
+    raw = env.get(name, "")
+    try:
+        return int(raw.split("(")[0].split(",")[0])  # SLURM_NTASKS_PER_NODE may read "4(x2)"
+    except ValueError:
+        return None
+
+
+def _from_env(env: Mapping[str, str]) -> Topology | None:
+    for launcher, *names in _LAUNCHERS:
+        rank, world, local_rank, local_world, node = (_int(env, n) for n in names)
+        if rank is None or world is None:
+            continue
+        if local_world is None or local_world < 1:
+            local_world = world  # one node unless the launcher says otherwise
+        if local_rank is None:
+            local_rank = rank % local_world
+        if node is None:
+            node = rank // local_world
+        return Topology(rank, world, local_rank, local_world, node, launcher)
+    return None
+
+
+def _from_process_group(env: Mapping[str, str]) -> Topology | None:
+    dist = sys.modules.get("torch.distributed")  # never import torch just to look
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    launched = _from_env(env)
+    if launched is not None and (launched.rank, launched.world_size) == (rank, world):
+        return Topology(rank, world, launched.local_rank, launched.local_world_size,
+                        launched.node, "process_group")
+    # A group the user built by hand (e.g. torch.multiprocessing.spawn): one node.
+    return Topology(rank, world, rank, world, 0, "process_group")
+
+
+def current_topology(env: Mapping[str, str] | None = None) -> Topology:
+    """This process's topology now.
+
+    Args:
+        env: the variables to read; ``os.environ`` when None.
+
+    Returns:
+        The default process group's figures once ``init_process_group`` ran (local figures from
+        the launcher when it agrees), else the launcher's, else a single process (world size 1).
+    """
+    env = os.environ if env is None else env
+    return _from_process_group(env) or _from_env(env) or Topology()
