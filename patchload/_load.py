@@ -1,0 +1,258 @@
+"""Load once: followers get the leader's weights instead of reading the checkpoint.
+
+Wraps ``PreTrainedModel.from_pretrained`` (and the Auto model classes). The leader runs the
+original call, then shares every parameter and buffer (persistent or not) through a transport and
+publishes where they are. Followers run the same original call from the cache, so configuration,
+dtype resolution, the meta-device skeleton, tying, ``eval()``, generation config and
+``hf_device_map`` all come from transformers itself; only ``_load_pretrained_model`` (the step
+that reads checkpoint files) is replaced by assembling the leader's tensors. At the end every
+follower parameter and buffer is re-pointed at the leader's bytes, so the model equals a plain
+load bitwise.
+
+Steps aside (downloads still coordinated, weights loaded plainly, one INFO line says why) where a
+broadcast is unsafe or pointless: ``PATCHLOAD_BROADCAST=0``, DeepSpeed ZeRO-3, a ``device_map``
+other than the CPU, quantized loads, tensor parallelism, GGUF files, a user ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Final
+
+from . import _state
+from ._calls import Mode, coordinated, current_mode
+from ._coordinate import Call, wait_followers_done
+from ._patching import Patch
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+__all__ = ["load_patches"]
+
+logger = logging.getLogger(__name__)
+
+# from_pretrained keyword arguments under which patchload does not share weights.
+_UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size",
+                         "distributed_config", "device_mesh", "state_dict", "load_in_8bit",
+                         "load_in_4bit", "offload_folder", "key_mapping")
+_CPU_MAPS: Final = (None, "cpu", {"": "cpu"})
+_EXIT_WAIT_S: Final = 60.0
+
+
+def _step_aside_reason(kwargs: dict[str, Any]) -> str | None:
+    if not _state.config().broadcast:
+        return "PATCHLOAD_BROADCAST=0"
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:  # transformers moved it: ZeRO-3 cannot be on
+        is_deepspeed_zero3_enabled = None
+    if is_deepspeed_zero3_enabled is not None and is_deepspeed_zero3_enabled():
+        return "DeepSpeed ZeRO-3 is enabled (model construction runs collectives)"
+    for name in _UNSAFE_KWARGS:
+        if kwargs.get(name) is not None:
+            return f"{name} is set"
+    device_map = kwargs.get("device_map")
+    if str(device_map) not in {str(m) for m in _CPU_MAPS}:
+        return f"device_map={device_map!r} is not the CPU"
+    return None
+
+
+def _model_of(result: Any) -> PreTrainedModel | None:
+    from transformers import PreTrainedModel
+
+    model = result[0] if isinstance(result, tuple) and result else result
+    return model if isinstance(model, PreTrainedModel) else None
+
+
+def _post_load_reason(model: PreTrainedModel) -> str | None:
+    if getattr(model, "hf_quantizer", None) is not None or getattr(
+            model.config, "quantization_config", None) is not None:
+        return "the checkpoint is quantized"
+    for name, tensor in _named_tensors(model):
+        if tensor.device.type != "cpu":
+            return f"{name} is on {tensor.device}, not the CPU"
+    return None
+
+
+def _named_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
+    return (list(model.named_parameters(remove_duplicate=False))
+            + list(model.named_buffers(remove_duplicate=False)))
+
+
+def _entries(model: Any) -> tuple[list[list[Any]], list[torch.Tensor]]:
+    """``[name, kind, index, requires_grad]`` per parameter/buffer name, and the unique tensors
+    (a tied tensor appears once; its names share the index)."""
+    index_of: dict[int, int] = {}
+    unique: list[torch.Tensor] = []
+    entries: list[list[Any]] = []
+    for kind, named in (("param", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, tensor in named:
+            if id(tensor) not in index_of:
+                index_of[id(tensor)] = len(unique)
+                unique.append(tensor)
+            entries.append([name, kind, index_of[id(tensor)], bool(tensor.requires_grad)])
+    return entries, unique
+
+
+def _owner(model: Any, name: str) -> tuple[Any, str]:
+    module_path, _, attribute = name.rpartition(".")
+    return (model.get_submodule(module_path) if module_path else model), attribute
+
+
+def _repoint(model: Any, entries: list[list[Any]], index: int, tensor: torch.Tensor) -> None:
+    """Make the leader's own tensor ``index`` a view of its shared copy (same bytes)."""
+    import torch
+
+    for name, kind, i, _ in entries:
+        if i != index:
+            continue
+        module, attribute = _owner(model, name)
+        if kind == "param":
+            module._parameters[attribute].data = tensor
+            return  # one Parameter object serves every tied name
+        module._buffers[attribute] = tensor if not isinstance(tensor, torch.nn.Parameter) else \
+            tensor.data
+
+
+def _share(result: Any, call: Call) -> tuple[dict[str, Any], Callable[[], None] | None]:
+    """Leader: share the loaded model's tensors; returns the payload and a post-publish step."""
+    model = _model_of(result)
+    if model is None:
+        return {}, None
+    reason = _post_load_reason(model)
+    if reason is not None:
+        logger.info("%s: not sharing weights: %s; followers load them plainly",
+                    call.prefix(), reason)
+        return {"weights": None, "reason": reason}, None
+    from ._broadcast import share_collective
+    from .transport import shm
+
+    entries, unique = _entries(model)
+    info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}"}
+    if call.scope == "job" and _state.config().transport == "collective":
+        payload, after = share_collective(call, unique)
+        info.update(transport="collective", **payload)
+        return {"weights": info}, after
+    descriptor, _ = shm.share([t.detach() for t in unique],
+                              on_shared=lambda i, t: _repoint(model, entries, i, t))
+    info.update(transport="shm", descriptor=descriptor)
+    # Followers open the blob through this process: do not exit before they have it.
+    atexit.register(wait_followers_done, call, _EXIT_WAIT_S)
+    logger.info("%s: shared %d tensors (%d bytes) with this node's ranks", call.prefix(),
+                len(unique), sum(t.numel() * t.element_size() for t in unique))
+    return {"weights": info}, None
+
+
+def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor]) -> None:
+    """Follower: put the leader's tensors into ``model`` under every name, ties included."""
+    import torch
+
+    params: dict[int, torch.nn.Parameter] = {}
+    for name, kind, index, requires_grad in entries:
+        module, attribute = _owner(model, name)
+        if kind == "param":
+            if index not in params:
+                params[index] = torch.nn.Parameter(tensors[index], requires_grad=requires_grad)
+                params[index]._is_hf_initialized = True
+            module._parameters[attribute] = params[index]
+        else:
+            module._buffers[attribute] = tensors[index]
+
+
+def _receive(mode: Mode, model: Any) -> bool:
+    """Follower: fetch the leader's tensors into ``model``; False when they do not apply."""
+    weights = mode.payload.get("weights")
+    if not weights or "received" in mode.used:
+        return False
+    entries = weights["entries"]
+    names = [name for name, _ in _named_tensors(model)]
+    if sorted(names) != sorted(e[0] for e in entries):
+        logger.warning("the leader's model has other tensors than this rank's %s: loading this "
+                       "rank's weights from the checkpoint", type(model).__name__)
+        return False
+    from ._broadcast import receive_collective
+    from .transport import shm
+
+    if weights["transport"] == "collective":
+        tensors = receive_collective(weights)
+        if tensors is None:  # not a member of the leader's broadcast: load plainly
+            return False
+    else:
+        try:
+            tensors = shm.attach(weights["descriptor"])
+        except shm.LeaderGoneError as err:
+            logger.warning("%s; loading this rank's weights from the checkpoint", err)
+            return False
+    _assemble(model, entries, tensors)
+    mode.used["received"] = (entries, tensors)
+    return True
+
+
+def _settle(result: Any, mode: Mode) -> Any:
+    """Follower, after the original call returned: re-point every tensor at the leader's bytes
+    (transformers re-creates non-persistent buffers after loading; their values must match)."""
+    model = _model_of(result)
+    if model is not None and "received" in mode.used:
+        entries, tensors = mode.used["received"]
+        for name, kind, index, _ in entries:
+            module, attribute = _owner(model, name)
+            if kind == "buffer":
+                module._buffers[attribute] = tensors[index]
+            elif module._parameters[attribute].data.data_ptr() != tensors[index].data_ptr():
+                module._parameters[attribute].data = tensors[index]
+    return result
+
+
+def _from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:
+    owner = instance if isinstance(instance, type) else type(instance)
+    name = f"{owner.__module__}.{owner.__qualname__}.from_pretrained"
+    source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    what = f"{owner.__name__}.from_pretrained({source!r})"
+    mode = current_mode()
+    if mode is not None:
+        return coordinated(name, wrapped, args, kwargs, what=what)
+    reason = _step_aside_reason(kwargs)
+    if reason is not None:
+        logger.info("%s: weights not shared (%s): downloads coordinated, each rank loads its own",
+                    what, reason)
+        return coordinated(name, wrapped, args, kwargs, what=what)
+    scope = "job" if _state.config().transport == "collective" else "node"
+    return coordinated(name, wrapped, args, kwargs, what=what, scope=scope, share=_share,
+                       settle=_settle)
+
+
+def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                           kwargs: dict[str, Any]) -> Any:
+    mode = current_mode()
+    model = args[0] if args else kwargs.get("model")
+    if mode is None or mode.lead or not _receive(mode, model):
+        return wrapped(*args, **kwargs)
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    info = LoadStateDictInfo(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(),
+                             error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+    return info, None
+
+
+def _auto_classes(module: Any) -> list[str]:
+    # transformers copies from_pretrained into every Auto class (auto_class_update): wrap each.
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    return [f"{name}.from_pretrained" for name, obj in sorted(vars(module).items())
+            if isinstance(obj, type) and issubclass(obj, _BaseAutoModelClass)
+            and "from_pretrained" in vars(obj)]
+
+
+def load_patches() -> list[Patch]:
+    """The patches for model loading: ``from_pretrained`` and the checkpoint-reading step."""
+    return [
+        Patch("transformers.modeling_utils", "PreTrainedModel.from_pretrained", _from_pretrained),
+        Patch("transformers.models.auto.modeling_auto", "", _from_pretrained,
+              expand=_auto_classes),
+        Patch("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model",
+              _load_pretrained_model),
+    ]
