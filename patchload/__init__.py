@@ -112,5 +112,6 @@ def _configure_logging(cfg: Config) -> None:
         log.addHandler(handler)
 
 
-if load_config().enabled:
-    install()
+_config_at_import = load_config()
+if _config_at_import.enabled:
+    install(_config_at_import)

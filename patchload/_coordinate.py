@@ -14,6 +14,7 @@ come: they claim their own key, and a late rank finds the outcome already publis
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Final, TypeVar
+from typing import Any, Callable, Final, Iterator, TypeVar
 
 import psutil
 
@@ -31,7 +32,8 @@ from ._errors import LeaderFailedError, PatchloadTimeout, describe_exception, fo
 from ._store import JobStore, job_store
 from ._topology import Topology
 
-__all__ = ["Call", "Role", "call_key", "leader_first", "publish", "wait_outcome"]
+__all__ = ["Call", "Role", "call_key", "claim", "leader_first", "leading", "publish",
+           "raise_failure", "wait_followers_done", "wait_outcome"]
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +238,35 @@ def raise_failure(call: Call, role: Role, outcome: dict[str, Any]) -> None:
                              prefix=f"{call.prefix(role.leader_rank)} failed on the leader: ")
 
 
+@contextlib.contextmanager
+def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """Leader: keep the heartbeat going for the block; publish its failure if it raises.
+
+    Yields a function the block calls with its success payload to publish it (followers start
+    then, even if the block goes on). An exception leaving the block is published as the failure
+    outcome (unless success was already published) and re-raised.
+    """
+    published = False
+
+    def done(payload: dict[str, Any]) -> None:
+        nonlocal published
+        publish(call, {"ok": True, "payload": payload})
+        published = True
+
+    _HEARTBEAT.add(call)
+    try:
+        yield done
+        if not published:
+            done({})
+    except BaseException as err:
+        if not published:
+            publish(call, {"ok": False, "error": describe_exception(err),
+                           "rank": call.topology.rank})
+        raise
+    finally:
+        _HEARTBEAT.remove(call)
+
+
 def leader_first(call: Call,
                  lead: Callable[[], tuple[T, dict[str, Any], Callable[[], None] | None]],
                  follow: Callable[[Role, dict[str, Any]], T]) -> T:
@@ -262,22 +293,14 @@ def leader_first(call: Call,
     """
     role = claim(call)
     if role.lead:
-        _HEARTBEAT.add(call)
-        try:
-            try:
-                result, payload, after = lead()
-            except BaseException as err:
-                publish(call, {"ok": False, "error": describe_exception(err),
-                               "rank": call.topology.rank})
-                raise
-            publish(call, {"ok": True, "payload": payload})
+        with leading(call) as done:
+            result, payload, after = lead()
+            done(payload)
             if after is not None:
                 try:
                     after()
                 except Exception as err:  # noqa: BLE001 - a private group; the result stands
                     logger.warning("%s: sharing with the followers failed: %s", call.prefix(), err)
-        finally:
-            _HEARTBEAT.remove(call)
         return result
     logger.debug("%s: following", call.prefix(role.leader_rank))
     with call.store.lock:  # lets the leader see who is waiting

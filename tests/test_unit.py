@@ -1,0 +1,165 @@
+"""Single-process checks: configuration, topology, errors, patch installation and removal."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from patchload import ConfigError, LeaderFailedError, load_config
+from patchload._errors import describe_exception, follower_exception
+from patchload._topology import current_topology
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_config_defaults_and_values():
+    cfg = load_config({})
+    assert (cfg.enabled, cfg.download_scope, cfg.broadcast, cfg.transport) == (True, "auto", True,
+                                                                             "auto")
+    assert (cfg.timeout_s, cfg.heartbeat_s, cfg.bucket_bytes) == (3600.0, 5.0, 256 * 2**20)
+    cfg = load_config({"PATCHLOAD": "0", "PATCHLOAD_DOWNLOAD_SCOPE": "JOB",
+                       "PATCHLOAD_BUCKET_MB": "1.5", "PATCHLOAD_TIMEOUT": "20"})
+    assert (cfg.enabled, cfg.download_scope, cfg.bucket_bytes, cfg.timeout_s) == (
+        False, "job", int(1.5 * 2**20), 20.0)
+
+
+@pytest.mark.parametrize("name,value,accepted", [
+    ("PATCHLOAD", "maybe", "1 or 0"),
+    ("PATCHLOAD_DOWNLOAD_SCOPE", "cluster", "auto / node / job"),
+    ("PATCHLOAD_TRANSPORT", "nccl", "auto / shm / collective"),
+    ("PATCHLOAD_TIMEOUT", "-3", "a positive finite number"),
+    ("PATCHLOAD_HEARTBEAT", "fast", "a positive finite number"),
+    ("PATCHLOAD_BUCKET_MB", "0", "a positive finite number"),
+    ("PATCHLOAD_LOG_LEVEL", "LOUD", "DEBUG / INFO"),
+])
+def test_bad_config_names_variable_and_accepted_values(name, value, accepted):
+    with pytest.raises(ConfigError) as info:
+        load_config({name: value})
+    assert name in str(info.value) and repr(value) in str(info.value)
+    assert accepted in str(info.value)
+    assert info.value.variable == name and isinstance(info.value, ValueError)
+
+
+def test_bad_config_fails_the_import():
+    env = {**os.environ, "PATCHLOAD_TRANSPORT": "carrier-pigeon"}
+    proc = subprocess.run([sys.executable, "-c", "import patchload"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "PATCHLOAD_TRANSPORT='carrier-pigeon' is not valid" in proc.stderr
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, (0, 1, 0, 1, 0, "none")),
+    ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+      "GROUP_RANK": "1"}, (5, 8, 1, 4, 1, "torchrun")),
+    ({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2",
+      "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1"}, (6, 8, 2, 4, 1, "slurm")),
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+     (3, 4, 1, 2, 1, "mpi")),
+])
+def test_topology_from_launcher_variables(env, expected):
+    t = current_topology(env)
+    assert (t.rank, t.world_size, t.local_rank, t.local_world_size, t.node, t.launcher) == expected
+
+
+def test_follower_exception_keeps_class_and_pickles():
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        raise EntryNotFoundError("404 Client Error: entry not found")
+    except EntryNotFoundError as err:
+        description = describe_exception(err)
+    json.dumps(description)  # crosses ranks as JSON, never pickle
+    exc = follower_exception(description, rank=2, leader_rank=0, prefix="[rank 2/3] x: ")
+    assert isinstance(exc, EntryNotFoundError) and isinstance(exc, LeaderFailedError)
+    assert str(exc) == "[rank 2/3] x: 404 Client Error: entry not found"
+    assert (exc.rank, exc.leader_rank) == (2, 0)
+    again = pickle.loads(pickle.dumps(exc))
+    assert type(again) is type(exc) and str(again) == str(exc)
+    assert describe_exception(exc)["qualname"] == "EntryNotFoundError"
+
+
+def test_follower_exception_of_unknown_class_is_leader_failed():
+    exc = follower_exception({"module": "not.imported", "qualname": "Boom", "message": "m"},
+                             rank=1, leader_rank=0, prefix="p: ")
+    assert type(exc) is LeaderFailedError and "p: m" in str(exc) and "not.imported.Boom" in str(exc)
+
+
+_PATCHED_NAMES = """
+import json, huggingface_hub, huggingface_hub.file_download as fd, huggingface_hub._snapshot_download as sd
+import huggingface_hub.repocard as rc, transformers.utils.hub as th
+from transformers import AutoModelForCausalLM, AutoTokenizer, AutoConfig, PreTrainedModel
+def ours(f): return bool(getattr(f, "_self_patchload", False))
+print(json.dumps({
+  "fd": ours(fd.hf_hub_download), "sd": ours(sd.snapshot_download),
+  "sd_alias": ours(sd.hf_hub_download), "rc": ours(rc.hf_hub_download),
+  "th": ours(th.hf_hub_download), "th_snap": ours(th.snapshot_download),
+  "top": ours(huggingface_hub.hf_hub_download),
+  "auto": ours(vars(AutoModelForCausalLM)["from_pretrained"]),
+  "tok": ours(vars(AutoTokenizer)["from_pretrained"]),
+  "cfg": ours(vars(AutoConfig)["from_pretrained"]),
+  "model": ours(vars(PreTrainedModel)["from_pretrained"]),
+}))
+"""
+
+
+@pytest.mark.parametrize("order", ["patchload first", "libraries first"])
+def test_import_order_does_not_matter(order):
+    first = "import patchload\n" if order == "patchload first" else ""
+    last = "" if first else "import patchload\n"
+    code = first + "import transformers.utils.hub, huggingface_hub.repocard\n" + last
+    code += _PATCHED_NAMES
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PATCHLOAD": "1"})
+    assert proc.returncode == 0, proc.stderr
+    flags = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(flags.values()), flags
+
+
+def test_disabled_installs_nothing_and_unpatch_restores_identity():
+    code = """
+import json, huggingface_hub.file_download as fd, huggingface_hub._snapshot_download as sd
+import transformers.utils.hub as th
+from transformers import AutoModelForCausalLM, PreTrainedModel
+import patchload
+from patchload._patching import installed_patches
+before = {"fd": fd.hf_hub_download, "th": th.hf_hub_download, "sd": sd.snapshot_download,
+          "auto": vars(AutoModelForCausalLM)["from_pretrained"],
+          "model": vars(PreTrainedModel)["from_pretrained"],
+          "lpm": vars(PreTrainedModel)["_load_pretrained_model"]}
+now = lambda: {"fd": fd.hf_hub_download, "th": th.hf_hub_download, "sd": sd.snapshot_download,
+               "auto": vars(AutoModelForCausalLM)["from_pretrained"],
+               "model": vars(PreTrainedModel)["from_pretrained"],
+               "lpm": vars(PreTrainedModel)["_load_pretrained_model"]}
+out = {"disabled_count": len(installed_patches()), "installed_flag": patchload.is_installed()}
+patchload.patch(); n = len(installed_patches()); patchload.patch()
+out["idempotent"] = len(installed_patches()) == n and n > 0
+out["changed"] = all(now()[k] is not v for k, v in before.items())
+patchload.unpatch()
+out["restored"] = all(now()[k] is v for k, v in before.items())
+out["after_count"] = len(installed_patches())
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PATCHLOAD": "0"})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"disabled_count": 0, "installed_flag": False, "idempotent": True,
+                   "changed": True, "restored": True, "after_count": 0}
+
+
+def test_doctor_reports_topology_and_patches():
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+           "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-m", "patchload", "doctor"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "topology: rank 1/4, local rank 1/2, node 0/2 (from torchrun)" in proc.stdout
+    assert "huggingface_hub.file_download.hf_hub_download" in proc.stdout
+    assert "transformers.modeling_utils.PreTrainedModel.from_pretrained" in proc.stdout
