@@ -1,0 +1,544 @@
+"""Share CPU tensors inside one node: one physical copy, mapped copy-on-write by every rank.
+
+The node leader calls :func:`share`. A tensor that is already a clean view of a file mapping (the
+zero-copy safetensors load) is described by its file path and byte offset and not copied. Every
+other tensor is written into ONE memfd blob (``memfd_create``, 64-byte aligned regions), which is
+then sealed against writes, shrinking and growing. The leader keeps the blob's fd open in a
+module-level registry and publishes a JSON-able descriptor; it does not wait for followers.
+
+Followers on the same node call :func:`attach`: it opens ``/proc/<leader pid>/fd/<fd>`` (or the
+file), checks it is the very inode the leader described, and maps it ``MAP_PRIVATE``. Pages stay
+shared until someone writes; a write gives the writer a private page and changes nothing for the
+others. No named file is created in ``/dev/shm``; the blob vanishes with its last fd or mapping.
+
+Linux only (``memfd_create``, ``/proc``). Neither function is collective and neither uses
+``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Final, Mapping, Sequence
+
+import torch
+
+from patchload.transport import (
+    LeaderGoneError,
+    ShmAttachError,
+    TensorMeta,
+    dtype_from_str,
+    meta_of,
+)
+
+__all__ = ["share", "attach", "release", "ShmTransport"]
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTOR_VERSION: Final = 1
+ALIGN_BYTES: Final = 64
+MEMFD_NAME: Final = "patchload"
+
+_F_ADD_SEALS: Final = getattr(fcntl, "F_ADD_SEALS", 1033)
+_F_GET_SEALS: Final = getattr(fcntl, "F_GET_SEALS", 1034)
+_F_SEAL_SEAL: Final = getattr(fcntl, "F_SEAL_SEAL", 1)
+_F_SEAL_SHRINK: Final = getattr(fcntl, "F_SEAL_SHRINK", 2)
+_F_SEAL_GROW: Final = getattr(fcntl, "F_SEAL_GROW", 4)
+_F_SEAL_WRITE: Final = getattr(fcntl, "F_SEAL_WRITE", 8)
+_SEALS: Final = _F_SEAL_WRITE | _F_SEAL_SHRINK | _F_SEAL_GROW | _F_SEAL_SEAL
+
+_MAX_IO_BYTES: Final = 1 << 30  # one pwrite/pread call; Linux caps a call near 2 GiB
+
+# Blobs this process published and keeps open for followers: fd -> size in bytes.
+_OPEN_BLOBS: dict[int, int] = {}
+_OPEN_BLOBS_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class _Mapping:
+    start: int
+    end: int
+    private: bool
+    writable: bool
+    file_offset: int
+    path: str
+
+
+def share(
+    tensors: Sequence[torch.Tensor],
+    *,
+    on_shared: Callable[[int, torch.Tensor], None] | None = None,
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Publish CPU tensors to the processes of this node (node leader role).
+
+    For each tensor, in order:
+
+    - empty (``numel() == 0``): described by its meta only; the replacement is the tensor itself.
+    - a clean view of a private or read-only *file* mapping (safetensors' zero-copy load), with no
+      page of it modified in this process (checked in ``/proc/self/pagemap``): described as
+      ``{"kind": "file", "file": <index into descriptor["files"]>, "offset": <byte offset in the
+      file>}``; the replacement is the tensor itself, nothing is copied.
+    - anything else: copied into one memfd blob at a 64-byte aligned offset. The replacement is a
+      view, with the same shape, dtype and (for dense tensors) stride, of a ``MAP_PRIVATE``
+      mapping of that blob, so the leader shares the blob's pages too. A non-dense tensor (one
+      with gaps or overlaps) is stored contiguous and its replacement is contiguous.
+
+    Peak memory: the blob is written one tensor at a time and ``on_shared`` is called right after
+    each write. ``tensors[i]`` is read only when entry ``i`` is written, and no reference to it is
+    kept once ``on_shared(i, ...)`` returns. So a caller that passes a list it owns and, in
+    ``on_shared``, re-points its parameter to the replacement and overwrites ``tensors[i]`` needs
+    the model's bytes plus about one tensor (plus a temporary contiguous copy of a non-dense
+    tensor), not twice the model.
+
+    The blob's fd stays open in this process until :func:`release`, so that followers can open
+    ``/proc/<pid>/fd/<fd>``; the blob itself lives until its last fd or mapping is gone.
+
+    Args:
+        tensors: strided CPU tensors, any dtype; ``requires_grad`` is ignored (bytes are read
+            through ``detach()``). Tied tensors must already be deduplicated: each entry is
+            shared separately.
+        on_shared: called as ``on_shared(index, replacement)`` for every tensor, in order, as
+            soon as its replacement holds the data. Exceptions propagate and abort the share
+            (the blob is closed).
+
+    Returns:
+        ``(descriptor, replacements)``. ``descriptor`` is JSON-able:
+        ``{"version", "pid", "boot_id", "fd", "nbytes", "dev", "ino", "files": [...],
+        "tensors": [...]}``; ``fd`` is None when nothing needed copying. ``replacements`` holds
+        one tensor per input.
+
+    Raises:
+        TypeError: an entry is not a tensor.
+        ValueError: an entry is not a strided CPU tensor.
+        OSError: ``memfd_create``, ``ftruncate``, ``pwrite`` or sealing failed (e.g. ``ENOMEM``,
+            ``ENOSPC`` under a memory cgroup limit).
+    """
+    for index, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"share: entry {index} is a {type(t).__name__}, not a torch.Tensor")
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            raise ValueError(f"share: entry {index} is a {t.layout} tensor on {t.device}; only "
+                             "strided CPU tensors can be shared through shared memory")
+
+    mappings = _read_maps()
+    starts = [m.start for m in mappings]
+    files: list[dict[str, Any]] = []
+    file_index: dict[str, int] = {}
+    pagemap_ok = True
+    entries: list[dict[str, Any]] = []
+    blob_bytes = 0
+    for t in tensors:
+        t = t.detach()
+        entry: dict[str, Any] = {"meta": meta_of(t).to_json()}
+        entries.append(entry)
+        if t.numel() == 0:
+            entry.update(kind="empty", stride=list(t.stride()))
+            continue
+        dense = _is_dense(t)
+        if dense and pagemap_ok:
+            found = _file_region(t, mappings, starts)
+            if found is not None:
+                mapping, offset = found
+                clean = _pages_unmodified(t.data_ptr(), t.numel() * t.element_size())
+                if clean is None:
+                    pagemap_ok = False
+                    logger.warning("cannot read /proc/self/pagemap: file-backed tensors are "
+                                   "copied into the shared blob instead of shared in place")
+                elif clean:
+                    file_no = file_index.get(mapping.path)
+                    if file_no is None:
+                        info = _file_identity(mapping.path)
+                        if info is not None:
+                            file_no = file_index[mapping.path] = len(files)
+                            files.append(info)
+                    end = offset + t.numel() * t.element_size()
+                    if file_no is not None and end <= files[file_no]["size"]:
+                        entry.update(kind="file", file=file_no, offset=offset,
+                                     stride=list(t.stride()))
+                        continue
+        stride = list(t.stride()) if dense else _contiguous_stride(t.shape)
+        blob_bytes = _align(blob_bytes)
+        entry.update(kind="blob", offset=blob_bytes, stride=stride)
+        blob_bytes += t.numel() * t.element_size()
+    t = None  # type: ignore[assignment]  # hold no tensor while writing (see "Peak memory")
+
+    descriptor: dict[str, Any] = {
+        "version": DESCRIPTOR_VERSION, "pid": os.getpid(), "boot_id": _boot_id(),
+        "fd": None, "nbytes": 0, "dev": None, "ino": None, "files": files, "tensors": entries,
+    }
+    replacements: list[torch.Tensor] = []
+    if blob_bytes == 0:
+        for index, t in enumerate(tensors):
+            replacements.append(t)
+            if on_shared is not None:
+                on_shared(index, t)
+        _log_summary(descriptor)
+        return descriptor, replacements
+
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, blob_bytes)
+        # Map before writing: a private mapping sees the file's writes until a page is COW'd,
+        # and nothing touches these pages before they are written.
+        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=False,
+                                                 nbytes=blob_bytes)
+        for index, entry in enumerate(entries):
+            if entry["kind"] != "blob":
+                replacement = tensors[index]
+            else:
+                src = tensors[index].detach()
+                if not _is_dense(src):
+                    src = src.contiguous()
+                _pwrite_all(fd, src.data_ptr(), src.numel() * src.element_size(),
+                            entry["offset"])
+                replacement = _view(storage, entry["offset"], src.dtype, src.shape,
+                                    entry["stride"])
+                del src
+            replacements.append(replacement)
+            if on_shared is not None:
+                on_shared(index, replacement)
+            del replacement
+        fcntl.fcntl(fd, _F_ADD_SEALS, _SEALS)
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    with _OPEN_BLOBS_LOCK:
+        _OPEN_BLOBS[fd] = blob_bytes
+    descriptor.update(fd=fd, nbytes=blob_bytes, dev=st.st_dev, ino=st.st_ino)
+    _log_summary(descriptor)
+    return descriptor, replacements
+
+
+def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
+    """Map the tensors a node leader shared (follower role), copy-on-write.
+
+    Each memfd or file region is mapped once, ``MAP_PRIVATE``, and read lazily: no byte is
+    copied, the pages are the leader's page-cache pages until this process writes to one. A write
+    is invisible to the leader, to other followers and to the blob or file.
+
+    Args:
+        descriptor: what :func:`share` returned on the leader, after a JSON round trip.
+
+    Returns:
+        One CPU tensor per shared tensor, in order, with the leader's shape, dtype and stride.
+        Tensors of one blob or one file share one storage (like a zero-copy safetensors load).
+
+    Raises:
+        LeaderGoneError: the leader process has exited, or closed the blob (:func:`release`),
+            or its pid now names another process. The message names the leader pid.
+        ShmAttachError: the descriptor comes from another host or boot, the blob is not sealed,
+            a shared file changed since the leader described it, or ``/proc/<pid>/fd`` cannot be
+            opened (another user, ptrace restrictions). The message names the leader pid.
+        ValueError: the descriptor is malformed or of another version.
+    """
+    try:
+        version = descriptor["version"]
+        pid = int(descriptor["pid"])
+        entries = list(descriptor["tensors"])
+        files = list(descriptor["files"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"not a patchload shm descriptor: {err!r}") from err
+    if version != DESCRIPTOR_VERSION:
+        raise ValueError(f"shm descriptor version {version!r}, expected {DESCRIPTOR_VERSION}")
+    if descriptor.get("boot_id") != _boot_id():
+        raise ShmAttachError(f"cannot attach to tensors shared by pid {pid}: they were shared on "
+                             "another host (or before a reboot); shm works inside one node only",
+                             cause="boot id differs")
+
+    blob: torch.UntypedStorage | None = None
+    if descriptor.get("fd") is not None:
+        blob = _map_blob(pid, int(descriptor["fd"]), int(descriptor["nbytes"]),
+                         descriptor.get("dev"), descriptor.get("ino"))
+    file_storages: dict[int, torch.UntypedStorage] = {}
+    out: list[torch.Tensor] = []
+    for index, entry in enumerate(entries):
+        meta = TensorMeta.from_json(entry["meta"])
+        dtype = dtype_from_str(meta.dtype)
+        kind = entry.get("kind")
+        if kind == "empty":
+            out.append(torch.empty_strided(meta.shape, entry["stride"], dtype=dtype))
+            continue
+        if kind == "blob":
+            if blob is None:
+                raise ValueError(f"shm descriptor entry {index} is a blob region but no blob fd")
+            storage = blob
+        elif kind == "file":
+            file_no = int(entry["file"])
+            storage = file_storages.get(file_no)
+            if storage is None:
+                storage = file_storages[file_no] = _map_file(pid, files[file_no])
+        else:
+            raise ValueError(f"shm descriptor entry {index} has unknown kind {kind!r}")
+        offset = int(entry["offset"])
+        if offset % dtype.itemsize or offset + meta.nbytes > storage.nbytes():
+            raise ValueError(f"shm descriptor entry {index}: region [{offset}, "
+                             f"{offset + meta.nbytes}) does not fit its {storage.nbytes()} bytes")
+        out.append(_view(storage, offset, dtype, meta.shape, entry["stride"]))
+    logger.debug("attached %d tensors shared by pid %d (blob %d bytes, %d files)", len(out), pid,
+                 int(descriptor.get("nbytes") or 0), len(files))
+    return out
+
+
+def release(descriptor: Mapping[str, Any]) -> None:
+    """Close the blob fd this process keeps open for followers (leader role).
+
+    Followers that already attached keep working, and so do the leader's replacement tensors
+    (mappings outlive the fd); followers that attach later get :class:`LeaderGoneError`.
+    Idempotent; does nothing for a descriptor published by another process or without a blob.
+    """
+    fd = descriptor.get("fd")
+    if fd is None or descriptor.get("pid") != os.getpid():
+        return
+    with _OPEN_BLOBS_LOCK:
+        if _OPEN_BLOBS.pop(int(fd), None) is None:
+            return
+    os.close(int(fd))
+    logger.debug("released shared blob fd %d", fd)
+
+
+class ShmTransport:
+    """:class:`~patchload.transport.Transport` over :func:`share` / :func:`attach`.
+
+    Neither role is collective. The payload is the shm descriptor.
+    """
+
+    def publish(self,
+                tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """Calls :func:`share`; see there."""
+        return share(tensors)
+
+    def receive(self, metas: Sequence[TensorMeta],
+                payload: Mapping[str, Any]) -> list[torch.Tensor]:
+        """Calls :func:`attach` and checks the result against ``metas``.
+
+        Raises:
+            ValueError: the descriptor's tensors do not match ``metas``.
+            LeaderGoneError, ShmAttachError: see :func:`attach`.
+        """
+        tensors = attach(payload)
+        got = [meta_of(t) for t in tensors]
+        if got != list(metas):
+            raise ValueError(f"shm descriptor of pid {payload.get('pid')} holds {len(got)} "
+                             f"tensors that do not match the {len(metas)} expected metas")
+        return tensors
+
+
+# --- leader helpers -----------------------------------------------------------------------------
+
+
+def _align(offset: int) -> int:
+    return (offset + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def _contiguous_stride(shape: Sequence[int]) -> list[int]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return stride[::-1]
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill ``[data_ptr, data_ptr + nbytes)`` exactly once."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1),
+                               key=lambda pair: pair[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _read_maps() -> list[_Mapping]:
+    """This process's file mappings, sorted, with adjacent pieces of one file merged."""
+    out: list[_Mapping] = []
+    with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            parts = line.rstrip("\n").split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith("/"):
+                continue
+            path = parts[5]
+            if path.endswith(" (deleted)") or path.startswith("/memfd:"):
+                continue
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            perms = parts[1]
+            m = _Mapping(start, end, perms[3] == "p", perms[1] == "w", int(parts[2], 16), path)
+            prev = out[-1] if out else None
+            if (prev is not None and prev.end == m.start and prev.path == m.path
+                    and prev.private == m.private and prev.writable == m.writable
+                    and prev.file_offset + (prev.end - prev.start) == m.file_offset):
+                out[-1] = _Mapping(prev.start, m.end, m.private, m.writable, prev.file_offset,
+                                   m.path)
+            else:
+                out.append(m)
+    return out
+
+
+def _file_region(t: torch.Tensor, mappings: list[_Mapping],
+                 starts: list[int]) -> tuple[_Mapping, int] | None:
+    """The file mapping holding all of dense ``t`` and its byte offset in the file, if any."""
+    address = t.data_ptr()
+    nbytes = t.numel() * t.element_size()
+    i = bisect.bisect_right(starts, address) - 1
+    if i < 0:
+        return None
+    m = mappings[i]
+    if address + nbytes > m.end:
+        return None
+    # A writable shared mapping lets the leader change the file under the followers later.
+    if m.writable and not m.private:
+        return None
+    offset = m.file_offset + (address - m.start)
+    if offset % t.element_size():
+        return None
+    return m, offset
+
+
+def _pages_unmodified(address: int, nbytes: int) -> bool | None:
+    """Whether no page of ``[address, address + nbytes)`` is private (COW'd or swapped) memory.
+
+    Reads ``/proc/self/pagemap``: bit 63 present, bit 62 swapped, bit 61 file-backed. A page
+    that is present and not file-backed, or swapped, was written by this process. Returns None
+    when pagemap cannot be read.
+    """
+    page = mmap.PAGESIZE
+    first = address // page
+    count = (address + nbytes - 1) // page - first + 1
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            f.seek(first * 8)
+            raw = bytearray()
+            while len(raw) < count * 8:
+                chunk = f.read(count * 8 - len(raw))
+                if not chunk:
+                    return None
+                raw += chunk
+    except OSError:
+        return None
+    flags = torch.frombuffer(raw, dtype=torch.int64)
+    present = flags < 0
+    swapped = ((flags >> 62) & 1).bool()
+    file_backed = ((flags >> 61) & 1).bool()
+    return not bool(((present & ~file_backed) | swapped).any())
+
+
+def _file_identity(path: str) -> dict[str, Any] | None:
+    """``{"path", "dev", "ino", "size", "mtime_ns"}`` of a regular file, or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return {"path": path, "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns}
+
+
+def _pwrite_all(fd: int, address: int, nbytes: int, offset: int) -> None:
+    view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+    done = 0
+    while done < nbytes:
+        done += os.pwrite(fd, view[done:done + _MAX_IO_BYTES], offset + done)
+
+
+def _log_summary(descriptor: Mapping[str, Any]) -> None:
+    kinds = [e["kind"] for e in descriptor["tensors"]]
+    logger.debug("shared %d tensors: %d in place in %d files, %d in a %d-byte blob (fd %s)",
+                 len(kinds), kinds.count("file"), len(descriptor["files"]), kinds.count("blob"),
+                 descriptor["nbytes"], descriptor["fd"])
+
+
+# --- shared helpers -----------------------------------------------------------------------------
+
+
+def _view(storage: torch.UntypedStorage, offset_bytes: int, dtype: torch.dtype,
+          shape: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype).set_(storage, offset_bytes // dtype.itemsize,
+                                            tuple(shape), tuple(stride))
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+# --- follower helpers ---------------------------------------------------------------------------
+
+
+def _leader_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _map_blob(pid: int, fd: int, nbytes: int, dev: Any, ino: Any) -> torch.UntypedStorage:
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        own = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError as err:
+        if _leader_alive(pid):
+            cause = f"leader process {pid} has closed blob fd {fd} (released or exiting)"
+        else:
+            cause = f"leader process {pid} has exited"
+        exc = LeaderGoneError(f"cannot attach to the tensors shared by pid {pid}: {cause}",
+                              cause=str(err))
+        exc.errno = err.errno
+        raise exc from err
+    except OSError as err:
+        exc2 = ShmAttachError(f"cannot attach to the tensors shared by pid {pid}: opening {path} "
+                              f"failed ({err.strerror}); followers must run as the same user "
+                              "on the same node, with /proc/<pid>/fd readable",
+                              cause=str(err))
+        exc2.errno = err.errno
+        raise exc2 from err
+    try:
+        st = os.fstat(own)
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise LeaderGoneError(f"cannot attach to the tensors shared by pid {pid}: fd {fd} "
+                                  "there is no longer the shared blob (the leader exited and "
+                                  "its pid or fd was reused)", cause="inode differs")
+        seals = fcntl.fcntl(own, _F_GET_SEALS)
+        if seals & _F_SEAL_WRITE == 0 or st.st_size != nbytes:
+            raise ShmAttachError(f"cannot attach to the tensors shared by pid {pid}: blob fd {fd} "
+                                 f"is not sealed or not {nbytes} bytes (seals {seals:#x}, size "
+                                 f"{st.st_size})", cause="blob not sealed")
+        return torch.UntypedStorage.from_file(f"/proc/self/fd/{own}", shared=False,
+                                              nbytes=nbytes)
+    finally:
+        os.close(own)
+
+
+def _map_file(pid: int, info: Mapping[str, Any]) -> torch.UntypedStorage:
+    path = str(info["path"])
+    try:
+        own = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        exc = ShmAttachError(f"cannot attach to the tensors shared by pid {pid}: opening its "
+                             f"checkpoint file {path!r} failed ({err.strerror})", cause=str(err))
+        exc.errno = err.errno
+        raise exc from err
+    try:
+        st = os.fstat(own)
+        expected = (info["dev"], info["ino"], info["size"], info["mtime_ns"])
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != expected:
+            raise ShmAttachError(f"cannot attach to the tensors shared by pid {pid}: its "
+                                 f"checkpoint file {path!r} changed since it was shared",
+                                 cause="file identity differs")
+        return torch.UntypedStorage.from_file(f"/proc/self/fd/{own}", shared=False,
+                                              nbytes=st.st_size)
+    finally:
+        os.close(own)
