@@ -13,6 +13,7 @@ hub downloads are coordinated among node leaders at the job's download scope.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import re
 from dataclasses import dataclass, field
@@ -62,12 +63,19 @@ def current_mode() -> Mode | None:
     return _MODE.get()
 
 
-def deciding_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The arguments that decide a call's result, as stable strings (no object addresses)."""
-    deciding = {f"arg{i}": _ADDRESS.sub("", repr(a)) for i, a in enumerate(args)}
-    deciding.update({k: _ADDRESS.sub("", repr(v)) for k, v in kwargs.items()
-                     if k not in _VOLATILE})
-    return deciding
+def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments that decide a call's result, by parameter name (so positional and keyword
+    spellings agree across ranks), as stable strings (no object addresses)."""
+    try:
+        signature = inspect.signature(wrapped)
+        named = dict(signature.bind_partial(*args, **kwargs).arguments)
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+                named.update(named.pop(name))
+    except (TypeError, ValueError):  # no signature, or arguments that do not bind
+        named = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
+    return {k: _ADDRESS.sub("", repr(v)) for k, v in named.items() if k not in _VOLATILE}
 
 
 def _offline(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +146,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     if mode is not None and not (mode.scope == "node" and hub_scope == "job" and share is None):
         return wrapped(*args, **kwargs)  # nested inside a leader: its own call covers this one
     scope = scope or hub_scope
-    call = _coordinate.call_key(name, deciding_arguments(args, kwargs), scope=scope,
+    call = _coordinate.call_key(name, deciding_arguments(wrapped, args, kwargs), scope=scope,
                                 topology=topology, config=config, what=what)
 
     def lead() -> tuple[Any, dict[str, Any], Callable[[], None] | None]:

@@ -37,8 +37,13 @@ class PatchloadError(RuntimeError):
         return (_rebuild, (type(self), self.args, self.__dict__))
 
 
+def _blank(cls: type) -> Any:
+    # OSError subclasses must be allocated by OSError.__new__ (CPython refuses the others).
+    return OSError.__new__(cls) if issubclass(cls, OSError) else cls.__new__(cls)
+
+
 def _rebuild(cls: type, args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
-    exc = cls.__new__(cls)
+    exc = _blank(cls)
     BaseException.__init__(exc, *args)
     exc.__dict__.update(state)
     return exc
@@ -163,7 +168,7 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
         return LeaderFailedError(f"{message} (leader raised {name})", rank=rank,
                                  leader_rank=leader_rank, cause=description.get("message", ""))
     cls = _follower_class(original)
-    exc = cls.__new__(cls)
+    exc = _blank(cls)
     BaseException.__init__(exc, message)
     exc._patchload_message = message
     exc._patchload_original = original

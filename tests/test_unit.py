@@ -163,3 +163,21 @@ def test_doctor_reports_topology_and_patches():
     assert "topology: rank 1/4, local rank 1/2, node 0/2 (from torchrun)" in proc.stdout
     assert "huggingface_hub.file_download.hf_hub_download" in proc.stdout
     assert "transformers.modeling_utils.PreTrainedModel.from_pretrained" in proc.stdout
+
+
+def test_errors_pickle_with_their_attributes():
+    from patchload import PatchloadTimeout
+
+    for exc in (PatchloadTimeout("t", rank=3, leader_rank=0, waited_s=2.5),
+                LeaderFailedError("l", rank=1, leader_rank=0, cause="gone"),
+                ConfigError("PATCHLOAD", "x", "1 or 0")):
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is type(exc) and str(again) == str(exc)
+        assert again.__dict__ == exc.__dict__
+
+
+def test_follower_exception_of_an_oserror_class():
+    exc = follower_exception({"module": "builtins", "qualname": "FileNotFoundError",
+                              "message": "no such file"}, rank=1, leader_rank=0, prefix="p: ")
+    assert isinstance(exc, FileNotFoundError) and str(exc) == "p: no such file"
+    assert isinstance(pickle.loads(pickle.dumps(exc)), FileNotFoundError)
