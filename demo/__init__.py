@@ -1,0 +1,1 @@
+"""The patchload demo (``make demo``) and the measurement code it shares with ``benchmarks/``."""
