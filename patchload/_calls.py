@@ -35,7 +35,6 @@ _VOLATILE: Final = frozenset({
     "force_download", "_from_auto", "_from_pipeline", "_commit_hash",
 })
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-_OFFLINE: Final = {"local_files_only": True, "force_download": False}
 
 
 @dataclass(frozen=True)
@@ -47,10 +46,12 @@ class Mode:
         scope: the enclosing call's scope, ``node`` or ``job``.
         payload: the leader's published payload (followers only).
         used: per-call scratch space for nested wrappers (e.g. whether weights were received).
+        loads_model: the enclosing call loads model weights (it shares them on the leader).
     """
 
     lead: bool
     scope: str
+    loads_model: bool = False
     payload: dict[str, Any] = field(default_factory=dict)
     used: dict[str, Any] = field(default_factory=dict)
 
@@ -79,7 +80,10 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
 
 
 def _offline(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {**kwargs, **_OFFLINE}
+    offline = {**kwargs, "local_files_only": True}
+    if "force_download" in kwargs:  # the leader just fetched: do not fetch again
+        offline["force_download"] = False
+    return offline
 
 
 def _cache_miss(err: BaseException) -> bool:
@@ -139,18 +143,22 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     if not topology.distributed or not _state.active():
         return wrapped(*args, **kwargs)
     config = _state.config()
-    if mode is not None and not mode.lead:
+    # A model load nested in a call that loads no model itself (a sentence-transformers model, a
+    # pipeline) is coordinated on its own, so that its weights are still shared.
+    own_weights = share is not None and (mode is None or not mode.loads_model)
+    if mode is not None and not mode.lead and not own_weights:
         return wrapped(*args, **_offline(kwargs))  # a follower rerunning from the cache
     store = job_store()
     hub_scope = download_scope(config, topology, store)
-    if mode is not None and not (mode.scope == "node" and hub_scope == "job" and share is None):
+    if mode is not None and mode.lead and not own_weights and not (
+            mode.scope == "node" and hub_scope == "job" and share is None):
         return wrapped(*args, **kwargs)  # nested inside a leader: its own call covers this one
     scope = scope or hub_scope
     call = _coordinate.call_key(name, deciding_arguments(wrapped, args, kwargs), scope=scope,
                                 topology=topology, config=config, what=what)
 
     def lead() -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
-        token = _MODE.set(Mode(lead=True, scope=scope))
+        token = _MODE.set(Mode(lead=True, scope=scope, loads_model=share is not None))
         try:
             result = wrapped(*args, **kwargs)
         finally:
@@ -159,7 +167,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         return result, payload, after
 
     def follow(role: _coordinate.Role, payload: dict[str, Any]) -> Any:
-        mode = Mode(lead=False, scope=scope, payload=payload)
+        mode = Mode(lead=False, scope=scope, payload=payload, loads_model=share is not None)
         token = _MODE.set(mode)
         try:
             result = _offline_or_online(wrapped, args, kwargs, call)

@@ -32,15 +32,15 @@ from ._errors import LeaderFailedError, PatchloadTimeout, describe_exception, fo
 from ._store import JobStore, job_store
 from ._topology import Topology
 
-__all__ = ["Call", "Role", "call_key", "claim", "leader_first", "leading", "publish",
-           "raise_failure", "wait_followers_done", "wait_outcome"]
+__all__ = ["Call", "Role", "call_key", "claim", "leader_first", "leading", "pending_followers",
+           "publish", "raise_failure", "wait_followers_done", "wait_outcome"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 _POLL_MIN_S: Final = 0.01
-_POLL_MAX_S: Final = 0.25
+_POLL_MAX_S: Final = 0.05  # a follower starts within 50 ms of the outcome
 _PROGRESS_EVERY_S: Final = 30.0
 _HOST: Final = socket.gethostname()
 
@@ -315,31 +315,60 @@ def leader_first(call: Call,
             call.store.store.set(call.key + f"done/{call.topology.rank}", "1")
 
 
-def wait_followers_done(call: Call, timeout_s: float) -> None:
+def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
+    """Leader: the followers of ``call`` that may still need something only its process holds.
+
+    Not collective; never waits. A follower counts until it is done with the call (its
+    ``done`` key is set) or, on this node, its process is gone.
+
+    Args:
+        call: a call this rank leads.
+        arrived_only: True: only followers that already announced they wait for the outcome
+            (a rank that never makes the call is not counted). False: also the ranks of the
+            call's scope that have not arrived yet.
+
+    Returns:
+        Their global ranks, ascending.
+    """
+    topology = call.topology
+    ranks = topology.node_ranks() if call.scope == "node" else range(topology.world_size)
+    pending = []
+    with call.store.lock:
+        for r in ranks:
+            if r == topology.rank or call.store.store.check([call.key + f"done/{r}"]):
+                continue
+            if not call.store.store.check([call.key + f"arrived/{r}"]):
+                if not arrived_only:
+                    pending.append(r)
+                continue
+            pid = int(call.store.store.get(call.key + f"arrived/{r}"))
+            if topology.node_of(r) == topology.node and not psutil.pid_exists(pid):
+                continue
+            pending.append(r)
+    return pending
+
+
+def wait_followers_done(call: Call, timeout_s: float, *, late_s: float = 0.0) -> None:
     """Leader: wait until every follower that arrived at ``call`` is done with it (or dead).
 
     Bounded by ``timeout_s`` seconds; logs what it waits for. Used before a leader exits while
     followers may still need something only its process holds (a shared-memory blob).
+
+    Args:
+        call: a call this rank leads.
+        timeout_s: the most this waits, in seconds.
+        late_s: for the first ``late_s`` seconds also wait for ranks of the scope that have not
+            arrived yet (a follower reaches a nested call only after its enclosing call).
     """
-    deadline = time.monotonic() + timeout_s
-    pending = [r for r in range(call.topology.world_size) if r != call.topology.rank]
+    start = time.monotonic()
+    deadline = start + timeout_s
     logged = False
-    while pending and time.monotonic() < deadline:
-        still = []
-        with call.store.lock:
-            for r in pending:
-                if not call.store.store.check([call.key + f"arrived/{r}"]):
-                    continue
-                if call.store.store.check([call.key + f"done/{r}"]):
-                    continue
-                pid = int(call.store.store.get(call.key + f"arrived/{r}"))
-                if call.topology.node_of(r) == call.topology.node and not psutil.pid_exists(pid):
-                    continue
-                still.append(r)
-        pending = still
-        if pending and not logged:
+    while time.monotonic() < deadline:
+        pending = pending_followers(call, arrived_only=time.monotonic() - start > late_s)
+        if not pending:
+            return
+        if not logged:
             logger.info("%s: waiting up to %.0f s for ranks %s to take the shared weights "
-                        "before exiting", call.prefix(), timeout_s, pending)
+                        "before exiting", call.prefix(), deadline - time.monotonic(), pending)
             logged = True
-        if pending:
-            time.sleep(0.05)
+        time.sleep(0.05)

@@ -97,13 +97,35 @@ class PatchConflictError(PatchloadError):
     """Another library replaced an attribute patchload patched, so it cannot be restored."""
 
 
+_CAUSE_CHARS = 500
+
+
+def _root_cause(exc: BaseException) -> BaseException | None:
+    """The innermost exception ``exc`` was raised from or while handling, if any."""
+    seen = {id(exc)}
+    current, root = exc, None
+    while True:
+        nxt = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+        if nxt is None or id(nxt) in seen:
+            return root
+        seen.add(id(nxt))
+        current = root = nxt
+
+
 def describe_exception(exc: BaseException) -> dict[str, str]:
-    """The JSON-able description of ``exc`` a leader publishes: class path and message."""
+    """The JSON-able description of ``exc`` a leader publishes: class path, message and, when
+    ``exc`` was raised from (or while handling) another exception whose text it does not
+    repeat, that root cause as ``"<class name>: <message>"`` (e.g. transformers' "Can't load the
+    model" hides the network error that caused it)."""
     cls = type(exc)
     original = getattr(exc, "_patchload_original", None)
     if original is not None:  # a follower error re-published: keep the leader's own class
         cls = original
-    return {"module": cls.__module__, "qualname": cls.__qualname__, "message": str(exc)}
+    description = {"module": cls.__module__, "qualname": cls.__qualname__, "message": str(exc)}
+    root = _root_cause(exc)
+    if root is not None and str(root) not in str(exc):
+        description["cause"] = f"{type(root).__name__}: {str(root)[:_CAUSE_CHARS]}"
+    return description
 
 
 def _resolve_class(module: str, qualname: str) -> type[BaseException] | None:
@@ -149,7 +171,8 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
     """Rebuild a leader's exception on a follower.
 
     Args:
-        description: what :func:`describe_exception` returned on the leader.
+        description: what :func:`describe_exception` returned on the leader; its root cause,
+            if any, is appended to the message.
         rank: this follower's global rank.
         leader_rank: the leader's global rank.
         prefix: text put before the leader's message (names the ranks and the action).
@@ -162,6 +185,8 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
         ``cause`` are set.
     """
     message = prefix + description.get("message", "")
+    if description.get("cause"):
+        message += f" (caused on the leader by {description['cause']})"
     original = _resolve_class(description.get("module", ""), description.get("qualname", ""))
     if original is None:
         name = f"{description.get('module')}.{description.get('qualname')}"

@@ -1,5 +1,9 @@
 """Patches for hub downloads and for the ``from_pretrained`` of everything but model weights.
 
+Also ``sentence_transformers``' model constructors (``SentenceTransformer``, ``CrossEncoder``,
+``SparseEncoder``), whose followers then pass ``local_files_only=True``: they skip the hub's
+``model_info`` call, so their model card does not name a base model.
+
 ``huggingface_hub.hf_hub_download`` and ``snapshot_download`` are wrapped where they are defined
 and rebound wherever a module already imported them by name (``transformers.utils.hub``,
 ``huggingface_hub._snapshot_download``, ``huggingface_hub.repocard``, ...). Configs, tokenizers,
@@ -33,6 +37,8 @@ _ENTRY_POINTS: Final = (
     ("transformers.video_processing_utils", "BaseVideoProcessor.from_pretrained"),
     ("transformers.models.auto.video_processing_auto", "AutoVideoProcessor.from_pretrained"),
     ("transformers.generation.configuration_utils", "GenerationConfig.from_pretrained"),
+    # Fetches modules.json and friends, and (unless local_files_only) the hub's model_info.
+    ("sentence_transformers.base.model", "BaseModel.__init__"),
 )
 
 
@@ -54,10 +60,11 @@ def _hub_function(name: str) -> Callable[..., Any]:
 def _entry_point(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
     owner = instance if isinstance(instance, type) else type(instance)
-    name = f"{owner.__module__}.{owner.__qualname__}.from_pretrained"
-    source = _first(args, kwargs, "pretrained_model_name_or_path", 0)
+    name = f"{owner.__module__}.{owner.__qualname__}.{wrapped.__name__}"
+    source = args[0] if args else kwargs.get("pretrained_model_name_or_path",
+                                             kwargs.get("model_name_or_path"))
     return coordinated(name, wrapped, args, kwargs,
-                       what=f"{owner.__name__}.from_pretrained({source!r})")
+                       what=f"{owner.__name__}.{wrapped.__name__}({source!r})")
 
 
 def hub_patches() -> list[Patch]:

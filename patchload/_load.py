@@ -17,12 +17,15 @@ other than the CPU, quantized loads, tensor parallelism, GGUF files, a user ``st
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
 from ._calls import Mode, coordinated, current_mode
-from ._coordinate import Call, wait_followers_done
+from ._coordinate import Call, pending_followers, wait_followers_done
 from ._patching import Patch
 
 if TYPE_CHECKING:
@@ -39,6 +42,14 @@ _UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size
                          "load_in_4bit", "offload_folder", "key_mapping")
 _CPU_MAPS: Final = (None, "cpu", {"": "cpu"})
 _EXIT_WAIT_S: Final = 60.0
+_LATE_S: Final = 5.0  # at exit, how long to also wait for ranks that have not reached the call
+
+# Blobs this process shared as a node leader and still keeps open for followers: (call,
+# descriptor). Closed once every local follower of the call is done with it (checked at the next
+# from_pretrained of this process) or at exit; until then each pins one copy of the weights.
+_OPEN_SHARES: list[tuple[Call, dict[str, Any]]] = []
+_OPEN_SHARES_LOCK = threading.Lock()
+_EXIT_HOOKED = False
 
 
 def _step_aside_reason(kwargs: dict[str, Any]) -> str | None:
@@ -119,6 +130,7 @@ def _repoint(model: Any, entries: list[list[Any]], index: int, tensor: torch.Ten
 
 def _share(result: Any, call: Call) -> tuple[dict[str, Any], Callable[[], None] | None]:
     """Leader: share the loaded model's tensors; returns the payload and a post-publish step."""
+    global _EXIT_HOOKED
     model = _model_of(result)
     if model is None:
         return {}, None
@@ -136,14 +148,69 @@ def _share(result: Any, call: Call) -> tuple[dict[str, Any], Callable[[], None] 
         payload, after = share_collective(call, unique)
         info.update(transport="collective", **payload)
         return {"weights": info}, after
-    descriptor, _ = shm.share([t.detach() for t in unique],
-                              on_shared=lambda i, t: _repoint(model, entries, i, t))
+    shared_bytes = sum(t.numel() * t.element_size() for t in unique)
+    pending = [t.detach() for t in unique]
+    del unique  # from here on `pending` holds the only extra references to the originals
+
+    def on_shared(index: int, replacement: torch.Tensor) -> None:
+        _repoint(model, entries, index, replacement)
+        pending[index] = replacement  # the private original is freed here, one at a time
+
+    descriptor, _ = shm.share(pending, on_shared=on_shared)
+    _trim_heap()
     info.update(transport="shm", descriptor=descriptor)
-    # Followers open the blob through this process: do not exit before they have it.
-    atexit.register(wait_followers_done, call, _EXIT_WAIT_S)
+    if descriptor.get("fd") is not None:
+        # Followers open the blob through this process: keep it until they have it.
+        with _OPEN_SHARES_LOCK:
+            if not _EXIT_HOOKED:
+                atexit.register(_release_at_exit)
+                _EXIT_HOOKED = True
+            _OPEN_SHARES.append((call, descriptor))
     logger.info("%s: shared %d tensors (%d bytes) with this node's ranks", call.prefix(),
-                len(unique), sum(t.numel() * t.element_size() for t in unique))
+                len(entries), shared_bytes)
     return {"weights": info}, None
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps freed tensor memory otherwise, and the
+    leader would hold its private copy and the blob at once)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def _release_finished() -> None:
+    """Leader: close the blobs of earlier calls whose followers on this node are all done with
+    them (or dead). Not collective; never waits. Without this, every converting load would pin
+    one more memfd (its fd and its memory) until the process exits."""
+    from .transport import shm
+
+    with _OPEN_SHARES_LOCK:
+        shares = list(_OPEN_SHARES)
+    for entry in shares:
+        call, descriptor = entry
+        if pending_followers(call, arrived_only=False):
+            continue
+        with _OPEN_SHARES_LOCK:
+            if not any(e is entry for e in _OPEN_SHARES):
+                continue  # another thread released it
+            _OPEN_SHARES[:] = [e for e in _OPEN_SHARES if e is not entry]
+        shm.release(descriptor)
+
+
+def _release_at_exit() -> None:
+    """Leader, at exit: wait (at most ``_EXIT_WAIT_S`` seconds in all) for the followers that
+    arrived at a shared call to take the weights, then close every blob."""
+    from .transport import shm
+
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    with _OPEN_SHARES_LOCK:
+        shares = list(_OPEN_SHARES)
+        _OPEN_SHARES.clear()
+    for call, descriptor in shares:
+        wait_followers_done(call, max(0.0, deadline - time.monotonic()), late_s=_LATE_S)
+        shm.release(descriptor)
 
 
 def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor]) -> None:
@@ -159,6 +226,9 @@ def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor])
                 params[index]._is_hf_initialized = True
             module._parameters[attribute] = params[index]
         else:
+            # Marked like a loaded tensor: else transformers' _init_weights (run on what is not
+            # marked) overwrites a received persistent buffer in place with its init value.
+            tensors[index]._is_hf_initialized = True
             module._buffers[attribute] = tensors[index]
 
 
@@ -213,8 +283,10 @@ def _from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
     source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     what = f"{owner.__name__}.from_pretrained({source!r})"
     mode = current_mode()
-    if mode is not None:
+    if mode is not None and mode.loads_model:  # e.g. the model class's call inside an Auto call
         return coordinated(name, wrapped, args, kwargs, what=what)
+    if _OPEN_SHARES:
+        _release_finished()
     reason = _step_aside_reason(kwargs)
     if reason is not None:
         logger.info("%s: weights not shared (%s): downloads coordinated, each rank loads its own",
