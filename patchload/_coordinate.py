@@ -173,13 +173,17 @@ def publish(call: Call, outcome: dict[str, Any]) -> None:
         call.store.store.set(call.key + "outcome", json.dumps(outcome))
 
 
-def _leader_alive(call: Call, role: Role) -> bool:
-    if role.leader_host != _HOST:
-        return True
+def _process_alive(pid: int) -> bool:
+    """True while ``pid`` runs on this host; a zombie (dead, not yet reaped by its parent, e.g.
+    a launcher that has not noticed yet) counts as dead."""
     try:
-        return psutil.Process(role.leader_pid).status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _leader_alive(call: Call, role: Role) -> bool:
+    return role.leader_host != _HOST or _process_alive(role.leader_pid)
 
 
 def wait_outcome(call: Call, role: Role) -> dict[str, Any]:
@@ -319,7 +323,7 @@ def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
     """Leader: the followers of ``call`` that may still need something only its process holds.
 
     Not collective; never waits. A follower counts until it is done with the call (its
-    ``done`` key is set) or, on this node, its process is gone.
+    ``done`` key is set) or, on this node, its process is gone (a zombie counts as gone).
 
     Args:
         call: a call this rank leads.
@@ -342,7 +346,7 @@ def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
                     pending.append(r)
                 continue
             pid = int(call.store.store.get(call.key + f"arrived/{r}"))
-            if topology.node_of(r) == topology.node and not psutil.pid_exists(pid):
+            if topology.node_of(r) == topology.node and not _process_alive(pid):
                 continue
             pending.append(r)
     return pending

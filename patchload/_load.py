@@ -201,15 +201,19 @@ def _release_finished() -> None:
 
 def _release_at_exit() -> None:
     """Leader, at exit: wait (at most ``_EXIT_WAIT_S`` seconds in all) for the followers that
-    arrived at a shared call to take the weights, then close every blob."""
+    arrived at a shared call to take the weights, then close every blob. Ranks that have not
+    arrived are waited for during the first ``_LATE_S`` seconds in all, not per blob (a rank
+    that died or never makes the call would otherwise cost ``_LATE_S`` for every blob)."""
     from .transport import shm
 
-    deadline = time.monotonic() + _EXIT_WAIT_S
+    start = time.monotonic()
     with _OPEN_SHARES_LOCK:
         shares = list(_OPEN_SHARES)
         _OPEN_SHARES.clear()
     for call, descriptor in shares:
-        wait_followers_done(call, max(0.0, deadline - time.monotonic()), late_s=_LATE_S)
+        elapsed = time.monotonic() - start
+        wait_followers_done(call, max(0.0, _EXIT_WAIT_S - elapsed),
+                            late_s=max(0.0, _LATE_S - elapsed))
         shm.release(descriptor)
 
 
