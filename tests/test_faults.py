@@ -1,0 +1,561 @@
+"""Fault injection: every rank succeeds with correct weights, or all raise the same class, fast.
+
+Real processes on CPU (gloo), a loopback hub with faults per repo id, one worker
+(``tests/workers/fault_steps.py``) running a plan of steps per job, several cases per job to keep
+the module under four minutes on two cores. Four jobs, each a module-scoped fixture run once:
+
+* ``hub_job`` (torchrun, 3 ranks): hub faults on the leader (404 for an indexed shard, a
+  connection reset mid-body once and for good, a body stalled past ``HF_HUB_DOWNLOAD_TIMEOUT``),
+  a leader whose load raises ``MemoryError``, a stale lock and partial download in the cache, a
+  truncated shard in the cache.
+* ``kill_job`` (5 plain ranks around a TCPStore hosted here, so that killing one leaves the
+  others running; no ``CAP_DAC_OVERRIDE``, so a 0555 directory stops root too): a read-only
+  ``cache_dir``, ``PATCHLOAD_TIMEOUT`` shorter than the download, the leader SIGKILLed after
+  publishing, a follower SIGKILLed while waiting, the leader SIGKILLed while reading the
+  checkpoint (same host: pid watched; simulated other host: heartbeat only), and a retry from
+  the cache the killed leader filled.
+* ``shared_home`` (two torchrun jobs at once on one ``HF_HOME``): both load the same repos; one
+  of them also runs a download longer than its process group's timeout, three loading threads
+  per rank, and 20 loads in a row watching file descriptors, threads and RSS.
+* in-process checks of what patchload reads from the store and of the files it creates.
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import ctypes
+import errno
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _faults as F  # noqa: E402
+from _faults import Job, step_records  # noqa: E402
+from patchload.testing import Fault  # noqa: E402
+
+PATCHLOAD_SRC = Path(__file__).resolve().parents[1] / "patchload"
+
+HEARTBEAT_S = 1.0
+STALLED_DOWNLOAD_TIMEOUT_S = 1  # HF_HUB_DOWNLOAD_TIMEOUT in hub_job
+KILL_JOB_TIMEOUT_S = 4.0  # PATCHLOAD_TIMEOUT in kill_job
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return F.make_folders(tmp_path_factory.mktemp("fault-repos"))
+
+
+@pytest.fixture(scope="module")
+def fault_hub(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    hub = F.start_hub(folders, tmp_path_factory.mktemp("fault-hub") / "requests.jsonl")
+    get_model = {"path": "model.safetensors", "method": "GET"}
+    for fault in (
+        Fault(repo_id="f/shard404", path="model-00002-*", status=404),
+        Fault(repo_id="f/abort-once", abort_after_bytes=30_000, times=1, **get_model),
+        Fault(repo_id="f/reset", abort_after_bytes=30_000, times=1, **get_model),
+        Fault(repo_id="f/reset", abort_after_bytes=0, **get_model),
+        Fault(repo_id="f/stall", stall_s=120, **get_model),
+        Fault(repo_id="f/slow", throttle_bytes_per_s=14_000, **get_model),  # ~8 s
+        Fault(repo_id="f/kill-follower", throttle_bytes_per_s=50_000, **get_model),  # ~2 s
+        Fault(repo_id="f/pg-timeout", throttle_bytes_per_s=10_000, **get_model),  # ~11 s
+        Fault(repo_id="f/shared-home", throttle_bytes_per_s=50_000, **get_model),  # ~2 s
+    ):
+        hub.add_fault(fault)
+    yield hub
+    hub.close()
+
+
+def _stale_cache(hf_home: Path, repo: str, folder: Path) -> dict[str, Path]:
+    """What a download SIGKILLed mid-body leaves in the cache: its lock file and partial blobs
+    (old and new ``huggingface_hub`` naming), here with garbage bytes."""
+    data = (folder / "model.safetensors").read_bytes()
+    etag = hashlib.sha256(data).hexdigest()  # the hub's ETag for a .safetensors (LFS) file
+    name = "models--" + repo.replace("/", "--")
+    lock = hf_home / "hub" / ".locks" / name / f"{etag}.lock"
+    blobs = hf_home / "hub" / name / "blobs"
+    partials = [blobs / f"{etag}.incomplete", blobs / f"{etag}.0badf00d.incomplete"]
+    for path in (lock, *partials):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_bytes(b"")
+    for partial in partials:
+        partial.write_bytes(b"\xffgarbage from a killed download" * 100)
+    return {"lock": lock, "blob": blobs / etag, "size": len(data)}
+
+
+@pytest.fixture(scope="module")
+def hub_job(fault_hub: Any, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+            ) -> tuple[Job, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("hub-job")
+    stale = _stale_cache(root / "hf", "f/stale-lock", folders["f/stale-lock"])
+    steps = [
+        {"name": "shard404", "repo": "f/shard404", "leader": 0},
+        {"name": "abort_once", "repo": "f/abort-once", "leader": 0},
+        {"name": "reset", "repo": "f/reset", "leader": 0},
+        {"name": "stall", "repo": "f/stall", "leader": 0},
+        {"name": "memory_error", "repo": "f/memerr", "leader": 0, "on_open": "MemoryError"},
+        {"name": "stale_lock", "repo": "f/stale-lock"},
+        {"name": "cache_ok", "repo": "f/corrupt-cache"},
+        {"name": "truncate", "repo": "f/corrupt-cache", "truncate_cached": True},
+        {"name": "cache_corrupt", "repo": "f/corrupt-cache"},
+    ]
+    job = F.run_plan_torchrun(fault_hub, folders, steps, root=root, nproc=3, timeout_s=150,
+                              PATCHLOAD_TIMEOUT="60", PATCHLOAD_HEARTBEAT=str(HEARTBEAT_S),
+                              HF_HUB_DOWNLOAD_TIMEOUT=str(STALLED_DOWNLOAD_TIMEOUT_S))
+    job.check_ok()
+    return job, stale
+
+
+def _drop_dac_capabilities() -> None:
+    """preexec_fn: drop CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and CAP_FOWNER from the bounding
+    set, so that after exec even uid 0 obeys file modes (a 0555 directory is read-only)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2, 3):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
+def _can_drop_capabilities() -> bool:
+    probe = subprocess.run([sys.executable, "-c", "pass"], preexec_fn=_drop_dac_capabilities,
+                           capture_output=True, timeout=60, check=False)
+    return probe.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def kill_job(fault_hub: Any, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+             ) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("kill-job")
+    read_only = root / "read-only-cache"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    preexec = None
+    readonly_skip = None
+    if os.geteuid() == 0:
+        if _can_drop_capabilities():
+            preexec = _drop_dac_capabilities
+        else:
+            readonly_skip = "running as root without CAP_SETPCAP: a 0555 directory stops nobody"
+    steps: list[dict[str, Any]] = []
+    if readonly_skip is None:
+        steps.append({"name": "read_only", "repo": "f/readonly", "leader": 0,
+                      "kwargs": {"cache_dir": str(read_only)}})
+    steps += [
+        {"name": "timeout", "repo": "f/slow", "leader": 0},
+        {"name": "kill_published", "repo": "f/kill-published", "kwargs": {"dtype": "bfloat16"},
+         "leader": 0, "kill_after_publish": True, "attached_rank": 1, "late_rank": 2,
+         "wait_leader_dead": True, "dies": [0]},
+        {"name": "kill_follower", "repo": "f/kill-follower", "ranks": [1, 2, 3, 4], "leader": 2,
+         "self_kill": {"rank": 4, "after_s": 0.8}, "dies": [4]},
+        {"name": "kill_read", "repo": "f/kill-read", "ranks": [1, 2, 3], "leader": 1,
+         "on_open": "kill", "dies": [1]},
+        {"name": "kill_remote", "repo": "f/kill-remote", "ranks": [2, 3], "leader": 3,
+         "remote_leader": True, "on_open": "kill", "dies": [3]},
+        {"name": "retry", "repo": "f/kill-read", "ranks": [2]},
+    ]
+    job = F.run_plan_plain(fault_hub, folders, steps, root=root, world_size=5, timeout_s=150,
+                           preexec_fn=preexec, PATCHLOAD_TIMEOUT=str(KILL_JOB_TIMEOUT_S),
+                           PATCHLOAD_HEARTBEAT=str(HEARTBEAT_S))
+    return {"job": job, "readonly_skip": readonly_skip, "read_only": read_only}
+
+
+@pytest.fixture(scope="module")
+def shared_home(fault_hub: Any, folders: dict[str, Path],
+                tmp_path_factory: pytest.TempPathFactory) -> list[Job]:
+    root = tmp_path_factory.mktemp("shared-home")
+    hf_home = root / "hf"
+    gate = root / "gate"
+    gate.mkdir()
+    common = [
+        {"name": "shared", "repo": "f/shared-home", "gate": {"dir": str(gate), "count": 2}},
+        {"name": "pg_timeout", "repo": "f/pg-timeout", "init_pg_timeout_s": 5},
+    ]
+    plans = [
+        (3, common + [{"name": "threads", "repo": "f/threads", "kind": "threads"},
+                      {"name": "loop", "repo": "f/loop", "kind": "loop", "loops": 20}]),
+        (2, common),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(F.run_plan_torchrun, fault_hub, folders, steps,
+                               root=root / f"job{i}", nproc=nproc, timeout_s=170,
+                               hf_home=hf_home, PATCHLOAD_TIMEOUT="120",
+                               PATCHLOAD_HEARTBEAT=str(HEARTBEAT_S))
+                   for i, (nproc, steps) in enumerate(plans)]
+        jobs = [f.result() for f in futures]
+    for job in jobs:
+        job.check_ok()
+    return jobs
+
+
+# --- assertions ---------------------------------------------------------------------------------
+
+def assert_weights_ok(record: dict[str, Any], what: str) -> None:
+    assert record["ok"], f"{what}: {record.get('error')}"
+    weights = record["weights"]
+    assert weights["checked"] > 0 and not weights["mismatched"] and weights["finite"], \
+        f"{what}: wrong weights {weights}"
+
+
+def assert_same_failure(job: Job, step: str, ranks: list[int], *, leader: int,
+                        within_s: float, cause: str | None = None) -> dict[int, dict[str, Any]]:
+    """Every rank of ``step`` raised the leader's class; followers name the leader rank and
+    quote its message (and ``cause``); the step's span is at most ``within_s`` seconds."""
+    records = step_records(job, step)
+    assert sorted(records) == ranks, F.describe(job, [step])
+    errors = {rank: rec.get("error") for rank, rec in records.items()}
+    assert all(errors.values()), f"{step}: some rank succeeded: {errors}"
+    assert len({e["type"] for e in errors.values()}) == 1, f"{step}: classes differ: {errors}"
+    assert not errors[leader]["follower"], f"{step}: rank {leader} was not the leader: {errors}"
+    leader_message = errors[leader]["message"]
+    for rank, error in errors.items():
+        if rank == leader:
+            continue
+        assert error["follower"] and error["leader_rank"] == leader, error
+        assert error["rank_attr"] == rank, error
+        assert f"leader rank {leader}" in error["message"], error["message"]
+        assert leader_message[:200] in error["message"], error["message"]
+        if cause is not None:
+            assert cause in error["message"], error["message"]
+    assert F.step_span_s(job, step) <= within_s, \
+        f"{step}: took {F.step_span_s(job, step):.1f} s > {within_s} s"
+    return errors
+
+
+def assert_only_leader_requested(job: Job, repo: str, leader: int) -> None:
+    ranks = {r.rank for r in job.requests if r.repo_id == repo}
+    assert ranks <= {leader}, f"{repo}: requests from ranks {ranks}, expected only {leader}"
+
+
+# --- hub faults on the leader -----------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_404_for_a_shard_named_in_the_index(hub_job: tuple[Job, Any]) -> None:
+    job, _ = hub_job
+    errors = assert_same_failure(job, "shard404", [0, 1, 2], leader=0, within_s=10)
+    assert errors[1]["isinstance"]["OSError"]
+    assert_only_leader_requested(job, "f/shard404", 0)
+    shard = [r for r in job.requests if r.repo_id == "f/shard404"
+             and r.filename == "model-00002-of-00007.safetensors"]
+    assert [r.status for r in shard] == [404], shard
+
+
+@pytest.mark.timeout(240)
+def test_connection_reset_once_mid_body_is_resumed(hub_job: tuple[Job, Any]) -> None:
+    job, _ = hub_job
+    for rank, record in step_records(job, "abort_once").items():
+        assert_weights_ok(record, f"rank {rank}")
+    assert_only_leader_requested(job, "f/abort-once", 0)
+    body = F.gets(job, "f/abort-once", "model.safetensors")
+    # The cut GET, then one retry that completes.
+    assert [r.bytes_sent for r in body] == [30_000, body[-1].bytes_sent] and \
+        body[-1].bytes_sent > 30_000, body
+
+
+@pytest.mark.timeout(240)
+def test_connection_reset_for_good_fails_every_rank(hub_job: tuple[Job, Any]) -> None:
+    job, _ = hub_job
+    # huggingface_hub retries 5 times, 1 s apart; followers learn the outcome at once.
+    assert_same_failure(job, "reset", [0, 1, 2], leader=0, within_s=20,
+                        cause="RemoteProtocolError")
+    assert_only_leader_requested(job, "f/reset", 0)
+
+
+@pytest.mark.timeout(240)
+def test_body_stalled_past_the_download_timeout(hub_job: tuple[Job, Any]) -> None:
+    job, _ = hub_job
+    # 6 attempts of (1 s read timeout + 1 s pause) instead of the 120 s stall.
+    assert_same_failure(job, "stall", [0, 1, 2], leader=0, within_s=30, cause="Timeout")
+    assert_only_leader_requested(job, "f/stall", 0)
+
+
+@pytest.mark.timeout(240)
+def test_leader_memory_error_reaches_followers_as_memory_error(hub_job: tuple[Job, Any]) -> None:
+    job, _ = hub_job
+    errors = assert_same_failure(job, "memory_error", [0, 1, 2], leader=0, within_s=5)
+    for error in errors.values():
+        assert "MemoryError" in error["mro"], error
+    assert all(e["elapsed_s"] < 2 * HEARTBEAT_S + 2 for e in errors.values()), errors
+
+
+@pytest.mark.timeout(240)
+def test_stale_lock_and_partial_download_left_by_a_killed_process(
+        hub_job: tuple[Job, dict[str, Path]]) -> None:
+    job, stale = hub_job
+    records = step_records(job, "stale_lock")
+    assert sorted(records) == [0, 1, 2]
+    for rank, record in records.items():
+        assert_weights_ok(record, f"rank {rank}")
+    assert stale["blob"].stat().st_size == stale["size"]
+    assert len(F.gets(job, "f/stale-lock", "model.safetensors")) == 1
+
+
+@pytest.mark.timeout(240)
+def test_truncated_shard_in_the_cache_fails_every_rank_alike(hub_job: tuple[Job, Any]) -> None:
+    job, _ = hub_job
+    for rank, record in step_records(job, "cache_ok").items():
+        assert_weights_ok(record, f"rank {rank}")
+    leader = F.leader_of(job, "cache_corrupt")
+    assert leader is not None, F.describe(job, ["cache_corrupt"])
+    errors = assert_same_failure(job, "cache_corrupt", [0, 1, 2], leader=leader, within_s=5)
+    assert errors[leader]["type"] == "SafetensorError"
+
+
+# --- process, filesystem and timing faults (plain ranks) --------------------------------------
+
+@pytest.mark.timeout(240)
+def test_read_only_cache_dir(kill_job: dict[str, Any]) -> None:
+    if kill_job["readonly_skip"]:
+        print(f"SKIPPED read-only cache: {kill_job['readonly_skip']}")
+        pytest.skip(kill_job["readonly_skip"])
+    job = kill_job["job"]
+    # transformers turns the leader's PermissionError into an OSError that does not say why;
+    # followers name the root cause.
+    errors = assert_same_failure(job, "read_only", [0, 1, 2, 3, 4], leader=0, within_s=10,
+                                 cause="caused on the leader by PermissionError")
+    assert all(e["isinstance"]["OSError"] for e in errors.values()), errors
+    assert not any(kill_job["read_only"].iterdir())
+
+
+@pytest.mark.timeout(240)
+def test_timeout_shorter_than_the_download(kill_job: dict[str, Any]) -> None:
+    job = kill_job["job"]
+    records = step_records(job, "timeout")
+    assert sorted(records) == [0, 1, 2, 3, 4], F.describe(job, ["timeout"])
+    assert_weights_ok(records[0], "leader")
+    assert records[0]["elapsed_s"] > KILL_JOB_TIMEOUT_S + 1  # the download really was longer
+    for rank in (1, 2, 3, 4):
+        error = records[rank]["error"]
+        assert error["type"] == "PatchloadTimeout" and error["isinstance"]["TimeoutError"], error
+        assert error["leader_rank"] == 0 and "leader rank 0" in error["message"], error
+        assert "PATCHLOAD_TIMEOUT" in error["message"], error
+        assert KILL_JOB_TIMEOUT_S - 0.5 <= error["elapsed_s"] <= KILL_JOB_TIMEOUT_S + 3, error
+    assert_only_leader_requested(job, "f/slow", 0)
+
+
+@pytest.mark.timeout(240)
+def test_leader_killed_after_publishing(kill_job: dict[str, Any]) -> None:
+    """Followers that attached keep working after the leader is gone; a follower that comes
+    later cannot attach to the dead leader's blob and loads from the cache (with a warning)."""
+    job = kill_job["job"]
+    assert job.returncodes[0] == -9
+    records = step_records(job, "kill_published")
+    assert sorted(records) == [1, 2, 3, 4], F.describe(job, ["kill_published"])
+    for rank, record in records.items():
+        assert_weights_ok(record, f"rank {rank}")
+        assert record["used_after_leader_died"]
+    assert records[1]["opened"] == []  # took the leader's weights, read no checkpoint
+    assert records[2]["called_after_leader_died"] and records[2]["opened"]
+    assert "cannot attach to the tensors shared by pid" in job.outputs[2]
+    assert_only_leader_requested(job, "f/kill-published", 0)
+
+
+@pytest.mark.timeout(240)
+def test_follower_killed_while_waiting(kill_job: dict[str, Any]) -> None:
+    job = kill_job["job"]
+    assert job.returncodes[4] == -9
+    records = step_records(job, "kill_follower")
+    assert sorted(records) == [1, 2, 3], F.describe(job, ["kill_follower"])
+    for rank, record in records.items():
+        assert_weights_ok(record, f"rank {rank}")
+    assert records[2]["opened"] and not records[1]["opened"] and not records[3]["opened"]
+    assert_only_leader_requested(job, "f/kill-follower", 2)
+    # At exit the leader does not wait for the dead follower (a zombie until the test reaps it;
+    # 60 s before) and waits for ranks that never came 5 s in all, not 5 s per shared blob.
+    exit_delay_s = job.extra["exited_at"][2] - job.ranks[2]["t_done"]
+    assert exit_delay_s < 12, f"rank 2 took {exit_delay_s:.1f} s to exit"
+
+
+@pytest.mark.timeout(240)
+def test_leader_killed_while_reading_the_checkpoint(kill_job: dict[str, Any]) -> None:
+    """Same host: followers watch the leader's pid and notice its death at once."""
+    job = kill_job["job"]
+    assert job.returncodes[1] == -9
+    for rank in (2, 3):
+        error = step_records(job, "kill_read")[rank]["error"]
+        assert error["type"] == "LeaderFailedError" and error["leader_rank"] == 1, error
+        assert "is gone" in error["message"] and "leader rank 1" in error["message"], error
+        assert error["elapsed_s"] < 2, error
+
+
+@pytest.mark.timeout(240)
+def test_remote_leader_killed_is_noticed_by_its_heartbeat(kill_job: dict[str, Any]) -> None:
+    """Another host (simulated): no pid to watch, the heartbeat stops; noticed after two
+    ``PATCHLOAD_HEARTBEAT`` periods, not at ``PATCHLOAD_TIMEOUT``."""
+    job = kill_job["job"]
+    assert job.returncodes[3] == -9
+    error = step_records(job, "kill_remote")[2]["error"]
+    assert error["type"] == "LeaderFailedError" and error["leader_rank"] == 3, error
+    assert "no heartbeat" in error["message"] and "leader rank 3" in error["message"], error
+    assert 2 * HEARTBEAT_S <= error["elapsed_s"] <= 2 * HEARTBEAT_S + 3, error
+
+
+@pytest.mark.timeout(240)
+def test_cache_left_by_a_leader_killed_mid_load_still_serves(kill_job: dict[str, Any]) -> None:
+    job = kill_job["job"]
+    assert job.returncodes[2] == 0, job.describe()
+    assert_weights_ok(step_records(job, "retry")[2], "retry")
+    assert len(F.gets(job, "f/kill-read", "model.safetensors")) == 1
+
+
+# --- concurrency and resources ----------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_two_jobs_share_one_hf_home(shared_home: list[Job]) -> None:
+    for i, job in enumerate(shared_home):
+        for step in ("shared", "pg_timeout"):
+            for rank, record in step_records(job, step).items():
+                assert_weights_ok(record, f"job {i} rank {rank} {step}")
+    spans = [(min(r["t_call"] for r in step_records(job, "shared").values()),
+              max(r["t_end"] for r in step_records(job, "shared").values()))
+             for job in shared_home]
+    assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], f"no overlap: {spans}"
+    requests = {r for job in shared_home for r in job.requests}
+    for repo in ("f/shared-home", "f/pg-timeout"):
+        fetched = F.gets_per_file(r for r in requests if r.repo_id == repo)
+        print(f"{repo}: successful GETs per file in both jobs: {dict(fetched)}")
+        assert fetched and max(fetched.values()) <= 2, fetched
+
+
+@pytest.mark.timeout(240)
+def test_download_longer_than_the_process_group_timeout(shared_home: list[Job]) -> None:
+    for job in shared_home:
+        records = step_records(job, "pg_timeout")
+        assert len(records) == len(job.ranks)
+        assert max(r["elapsed_s"] for r in records.values()) > 6  # beyond the 5 s group timeout
+        for record in records.values():
+            assert record["all_reduce"] == len(job.ranks)  # the group still works afterwards
+
+
+@pytest.mark.timeout(240)
+def test_three_threads_of_one_rank_load_the_same_repo(shared_home: list[Job]) -> None:
+    for rank, record in step_records(shared_home[0], "threads").items():
+        for i, result in enumerate(record["threads"]):
+            assert_weights_ok(result, f"rank {rank} thread {i}")
+
+
+@pytest.mark.timeout(240)
+def test_twenty_loads_in_a_row_release_what_they_take(shared_home: list[Job]) -> None:
+    for rank, record in step_records(shared_home[0], "loop").items():
+        assert record["mismatched"] == 0
+        samples = record["samples"]
+        first, warm, last = samples[0], samples[2], samples[-1]
+        fds = [s["fds"] for s in samples]
+        # A leader keeps at most the blobs of loads its followers are still taking.
+        assert max(fds[5:]) <= first["fds"] + 3, f"rank {rank}: open fds {fds}"
+        assert last["threads"] <= first["threads"] + 1, f"rank {rank}: {samples}"
+        assert last["rss"] - warm["rss"] < 32 * 2**20, f"rank {rank}: RSS {samples}"
+
+
+# --- security ---------------------------------------------------------------------------------
+
+def _sources() -> list[Path]:
+    return sorted(p for p in PATCHLOAD_SRC.rglob("*.py") if "testing" not in p.parts)
+
+
+def test_nothing_from_the_store_is_unpickled_or_executed() -> None:
+    banned_modules = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "yaml"}
+    banned_calls = {"eval", "exec", "compile", "__import__", "import_module", "loads"}
+    found = []
+    for path in _sources():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [(node.module or "").split(".")[0]]
+            else:
+                names = []
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                      if n in banned_modules]
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+                owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+                if name in banned_calls and not (name == "loads" and owner == "json") and not (
+                        name == "compile" and owner == "re"):
+                    found.append(f"{path.name}:{node.lineno} calls {ast.unparse(func)}")
+                if name == "load" and owner == "torch":
+                    found.append(f"{path.name}:{node.lineno} calls torch.load (unpickles)")
+    assert not found, found
+
+
+def test_store_values_are_parsed_as_json_only() -> None:
+    """Every value patchload reads from a store goes through ``json.loads`` or ``int``."""
+    text = {p.name: p.read_text() for p in _sources()}
+    for name, source in text.items():
+        for line in source.splitlines():
+            if ".store.get(" in line and "json.loads" not in line and "int(" not in line:
+                pytest.fail(f"{name}: store value used unparsed: {line.strip()}")
+
+
+def test_files_patchload_creates_are_private_and_not_followed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from patchload import _scope, _store
+    from patchload._config import load_config
+    from patchload._topology import Topology
+
+    # The private directory: 0700, owned by us; refused when open to others or a symlink.
+    monkeypatch.setattr(_store.tempfile, "gettempdir", lambda: str(tmp_path))
+    private = _store.private_dir()
+    assert stat.S_IMODE(os.lstat(private).st_mode) == 0o700
+    private.chmod(0o755)
+    with pytest.raises(PermissionError, match="0700"):
+        _store.private_dir()
+    shutil.rmtree(private)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    private.symlink_to(elsewhere)
+    with pytest.raises(PermissionError):
+        _store.private_dir()
+    private.unlink()
+
+    # The scope marker (rank 0, several nodes): 0600, created with O_NOFOLLOW.
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(_scope, "_hub_cache", lambda: cache)
+    monkeypatch.setattr(_scope.atexit, "register", lambda *a, **k: None)
+    import threading
+
+    class _Store:
+        def __init__(self) -> None:
+            self.data: dict[str, str] = {}
+
+        def set(self, key: str, value: str) -> None:
+            self.data[key] = value
+
+    store = type("S", (), {"store": _Store(), "lock": threading.RLock(), "node_local": False})()
+    topology = Topology(0, 4, 0, 2, 0, "torchrun")
+    assert _scope._detect(topology, store, load_config({}).timeout_s) == "job"
+    (marker,) = cache.glob(".patchload-scope-*")
+    assert stat.S_IMODE(os.lstat(marker).st_mode) == 0o600
+    # A symlink planted where the marker goes is not followed (its target is not truncated).
+    target = tmp_path / "victim"
+    target.write_text("keep me")
+    marker.unlink()
+    marker.symlink_to(target)
+    with pytest.raises(OSError) as info:
+        _scope._detect(topology, store, 1.0)
+    assert info.value.errno == errno.ELOOP
+    assert target.read_text() == "keep me"
+
+
+def test_every_file_patchload_creates_is_opened_with_o_nofollow() -> None:
+    for path in _sources():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and ast.unparse(node.func) == "os.open"
+                    and "O_CREAT" in ast.unparse(node)):
+                assert "O_NOFOLLOW" in ast.unparse(node), f"{path.name}:{node.lineno}"
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("open", "Path.open"):
+                mode = ast.unparse(node.args[1]) if len(node.args) > 1 else "'r'"
+                assert not any(c in mode for c in "wax+"), \
+                    f"{path.name}:{node.lineno}: open() for writing follows symlinks"
