@@ -42,6 +42,7 @@ _UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size
                          "load_in_4bit", "offload_folder", "key_mapping")
 _CPU_MAPS: Final = (None, "cpu", {"": "cpu"})
 _EXIT_WAIT_S: Final = 60.0
+_TRIM_EVERY_BYTES: Final = 64 * 2**20
 _LATE_S: Final = 5.0  # at exit, how long to also wait for ranks that have not reached the call
 
 # Blobs this process shared as a node leader and still keeps open for followers: (call,
@@ -152,9 +153,16 @@ def _share(result: Any, call: Call) -> tuple[dict[str, Any], Callable[[], None] 
     pending = [t.detach() for t in unique]
     del unique  # from here on `pending` holds the only extra references to the originals
 
+    freed_bytes = 0
+
     def on_shared(index: int, replacement: torch.Tensor) -> None:
+        nonlocal freed_bytes
         _repoint(model, entries, index, replacement)
         pending[index] = replacement  # the private original is freed here, one at a time
+        freed_bytes += replacement.numel() * replacement.element_size()
+        if freed_bytes >= _TRIM_EVERY_BYTES:  # hand freed heap back as we go: lower peak
+            _trim_heap()
+            freed_bytes = 0
 
     descriptor, _ = shm.share(pending, on_shared=on_shared)
     _trim_heap()
