@@ -8,6 +8,7 @@ plain call still catches it.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
@@ -128,10 +129,23 @@ def describe_exception(exc: BaseException) -> dict[str, str]:
     return description
 
 
+# Packages whose exceptions the patched calls raise. A follower that has not run the call yet may
+# not have imported the module of the leader's exception class (safetensors is imported only
+# when transformers.modeling_utils is); the plain call would import it, so it may be imported here.
+_IMPORTABLE_PACKAGES = frozenset({"huggingface_hub", "transformers", "safetensors", "tokenizers",
+                                  "torch", "sentence_transformers", "httpx", "requests",
+                                  "urllib3", "patchload"})
+
+
 def _resolve_class(module: str, qualname: str) -> type[BaseException] | None:
-    # Only classes of modules this process already imported: nothing from the store is imported
-    # or executed.
+    # Only classes of modules this process already imported, or of the packages above: nothing
+    # named by the store outside them is imported, and nothing from the store is executed.
     obj: Any = sys.modules.get(module)
+    if obj is None and module.partition(".")[0] in _IMPORTABLE_PACKAGES:
+        try:
+            obj = importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - not importable here: LeaderFailedError instead
+            obj = None
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     if isinstance(obj, type) and issubclass(obj, BaseException):

@@ -74,6 +74,10 @@ def hub_patches() -> list[Patch]:
               _hub_function("hf_hub_download"), rebind_aliases=True),
         Patch("huggingface_hub._snapshot_download", "snapshot_download",
               _hub_function("snapshot_download"), rebind_aliases=True),
+        # transformers >= 5.2x resolves the revision (GET /api/models/<repo>) before any file:
+        # inside a node leader of a job-scoped download it must be coordinated like the files.
+        Patch("huggingface_hub.hf_api", "HfApi.resolve_revision",
+              _hub_function("resolve_revision")),
     ]
     patches += [Patch(module, path, _entry_point) for module, path in _ENTRY_POINTS]
     return patches

@@ -1,0 +1,121 @@
+"""Fixtures of the multi-rank tests: tiny repos, one loopback hub, the plain-load reference.
+
+The hub runs in the pytest process for the whole session and serves every repo the tests use
+(several ids may serve the same folder, so that each call of a job touches a repo of its own and
+the request log says which rank fetched it). Faults are attached to dedicated repo ids, so they
+never affect other tests. Jobs run one after another; each reads the requests that arrived while
+it ran.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from patchload.testing import Fault, LoopbackHub
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _launch import Job, job_env, run_plain, run_torchrun  # noqa: E402
+
+
+# Every case the load worker knows (see tests/workers/load.py).
+LOAD_CASES = ("llama", "llama_tied", "llama_sharded", "bf16_default", "bf16_bf16", "bf16_auto",
+              "t5_fp16", "t5_bf16", "gpt2", "bert", "custom", "mismatch")
+
+# Download-test repos: one per call of the download worker (all serve the tiny llama folder).
+DOWNLOAD_REPOS = ("dl/pair", "dl/file", "dl/snap", "dl/config", "dl/gen")
+
+# Fault repos (a missing repo needs no registration: the hub answers RepoNotFound).
+GATED = "err/gated"
+ERR500 = "err/server-error"
+CORRUPT = "err/corrupt"
+TRUNCATED = "err/truncated"
+RATELIMITED = ("rl/pair", "rl/file")  # 429 faults added by the test that uses them
+STALLED = "stall/pair"
+MISSING = "err/does-not-exist"
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Repo folders written once for the session (tiny models; the real all-MiniLM-L6-v2)."""
+    import torch
+
+    from patchload.testing import models
+
+    root = tmp_path_factory.mktemp("repos")
+    llama = models.tiny_llama(root / "llama")
+    out = {
+        "org/llama": llama,
+        "org/llama-tied": models.tiny_llama(root / "llama-tied", tie_word_embeddings=True,
+                                            seed=1),
+        "org/llama-sharded": models.tiny_llama(root / "llama-sharded", max_shard_size="20KB",
+                                               seed=2),
+        "org/llama-bf16": models.tiny_llama(root / "llama-bf16", dtype=torch.bfloat16, seed=3),
+        "org/t5": models.tiny_t5(root / "t5"),
+        "org/gpt2": models.tiny_gpt2(root / "gpt2"),
+        "org/bert": models.tiny_bert(root / "bert"),
+        "org/custom": models.tiny_custom(root / "custom"),
+        models.MINILM_REPO_ID: models.minilm(root / "minilm"),
+    }
+    for repo in DOWNLOAD_REPOS + RATELIMITED + (GATED, ERR500, STALLED):
+        out[repo] = llama
+    corrupt = root / "corrupt"
+    models.tiny_llama(corrupt, with_tokenizer=False, seed=4)
+    size = (corrupt / "model.safetensors").stat().st_size
+    (corrupt / "model.safetensors").write_bytes(b"\x7fgarbage, not a safetensors file" * 64)
+    out[CORRUPT] = corrupt
+    truncated = root / "truncated"
+    models.tiny_llama(truncated, with_tokenizer=False, seed=5)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: size // 2])
+    out[TRUNCATED] = truncated
+    return out
+
+
+@pytest.fixture(scope="session")
+def hub(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The session's loopback hub, serving every folder, with the permanent faults."""
+    log = tmp_path_factory.mktemp("hub") / "requests.jsonl"
+    with LoopbackHub(log_path=log) as running:
+        for repo_id, folder in folders.items():
+            running.add_repo(repo_id, folder)
+        running.add_fault(Fault(repo_id=GATED, status=401))
+        running.add_fault(Fault(repo_id=ERR500, status=500))
+        # Slow enough that the leader is still downloading when the test kills it.
+        running.add_fault(Fault(repo_id=STALLED, path="model.safetensors", method="GET",
+                                throttle_bytes_per_s=2000))
+        yield running
+
+
+@pytest.fixture(scope="session")
+def reference_job(hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """Plain loads: one process, world size 1, ``PATCHLOAD=0``; every load case (both variants
+    of the mismatch case), the SGD step and MiniLM."""
+    root = tmp_path_factory.mktemp("reference")
+    env = job_env(hub.endpoint, root / "hf", root / "out", PATCHLOAD="0")
+    job = run_plain(hub, "load", ["--cases", ",".join(LOAD_CASES), "--reference", "--minilm"],
+                    env=env, timeout_s=240).check_ok()
+    report = job.ranks[0]
+    assert report["installed"] is False
+    for name, record in report["steps"].items():
+        assert "error" not in record, f"plain load of {name} failed: {record['error']}"
+    return job
+
+
+@pytest.fixture(scope="session")
+def reference(reference_job: Job) -> dict[str, Any]:
+    """The plain-load report: ``reference["steps"][case]["fingerprint"]``."""
+    return reference_job.ranks[0]
+
+
+@pytest.fixture(scope="session")
+def errors_job(hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """N=3: calls whose leader meets 404, 401, 500, a corrupt or a truncated checkpoint
+    (``tests/workers/errors.py``), one after another."""
+    root = tmp_path_factory.mktemp("errors")
+    env = job_env(hub.endpoint, root / "hf", root / "out")
+    return run_torchrun(hub, "errors", [], nproc=3, env=env, timeout_s=240).check_ok()

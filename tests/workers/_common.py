@@ -1,0 +1,255 @@
+"""Shared by the worker scripts the multi-rank tests run (one process per rank).
+
+A worker must set ``HF_HUB_USER_AGENT_ORIGIN=rank-<RANK>`` before importing huggingface_hub or
+transformers (the hub's request log attributes requests by it); importing this module does not
+import either. Each rank writes one JSON report to ``$PLT_OUT/rank-<RANK>.json``; a crash is
+reported there too (``{"crash": traceback}``) before the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+OUT = Path(os.environ["PLT_OUT"])
+
+
+def report_path(rank: int = RANK) -> Path:
+    return OUT / f"rank-{rank}.json"
+
+
+def write_report(report: dict[str, Any]) -> None:
+    tmp = report_path().with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, default=str, sort_keys=True))
+    os.replace(tmp, report_path())
+
+
+def main(body: Callable[[dict[str, Any]], None]) -> None:
+    """Run ``body(report)`` and write the report; on a crash, write the traceback and exit 1."""
+    report: dict[str, Any] = {"rank": RANK, "pid": os.getpid(), "steps": {}}
+    try:
+        body(report)
+    except BaseException:  # noqa: BLE001 - reported, then the process fails
+        report["crash"] = traceback.format_exc()
+        write_report(report)
+        sys.stdout.flush()
+        os._exit(1)
+    write_report(report)
+
+
+# --- synchronisation between steps (not patchload's: a test-only prefix in the agent store) -----
+
+class Barrier:
+    """A barrier over the launcher's TCPStore (torchrun's agent store, or the test's own), usable
+    with or without a process group. No-op at world size 1."""
+
+    def __init__(self, name: str = "plt-barrier") -> None:
+        self._store = None
+        self._name = name
+        self._count = 0
+        if WORLD_SIZE > 1:
+            import torch.distributed as dist
+
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                 is_master=False, timeout=datetime.timedelta(seconds=120))
+            run = os.environ.get("TORCHELASTIC_RUN_ID", "") + os.environ.get(
+                "TORCHELASTIC_RESTART_COUNT", "")
+            self._store = dist.PrefixStore(f"{name}/{run}/", base)
+
+    @property
+    def store(self) -> Any:
+        return self._store
+
+    def __call__(self, timeout_s: float = 120.0) -> None:
+        if self._store is None:
+            return
+        self._count += 1
+        key = f"b{self._count}"
+        self._store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while int(self._store.add(key, 0)) < WORLD_SIZE:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"[rank {RANK}] test barrier {key} timed out")
+            time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def step(report: dict[str, Any], name: str, barrier: Barrier | None) -> Iterator[dict[str, Any]]:
+    """Time one step (``t0``/``t1`` wall clock, ``elapsed_s``); barriers before and after it so
+    the hub log can be cut into per-step windows."""
+    if barrier is not None:
+        barrier()
+    record: dict[str, Any] = {"t0": time.time()}
+    start = time.monotonic()
+    try:
+        yield record
+    finally:
+        record["elapsed_s"] = time.monotonic() - start
+        record["t1"] = time.time()
+        report["steps"][name] = record
+    if barrier is not None:
+        barrier()
+
+
+def error_info(exc: BaseException, start: float) -> dict[str, Any]:
+    """What a test needs to know about an exception: class, bases, message, when."""
+    import patchload
+
+    return {
+        "type": type(exc).__name__,
+        "module": type(exc).__module__,
+        "mro": [c.__name__ for c in type(exc).__mro__],
+        "message": str(exc)[-4000:],
+        "follower": isinstance(exc, patchload.LeaderFailedError),
+        "leader_rank": getattr(exc, "leader_rank", None),
+        "rank_attr": getattr(exc, "rank", None),
+        "elapsed_s": time.monotonic() - start,
+        "t_raised": time.time(),
+        "isinstance": {name: isinstance(exc, cls) for name, cls in _error_classes().items()},
+    }
+
+
+def _error_classes() -> dict[str, type]:
+    from huggingface_hub import errors
+
+    return {"OSError": OSError, "TimeoutError": TimeoutError,
+            "HfHubHTTPError": errors.HfHubHTTPError,
+            "RepositoryNotFoundError": errors.RepositoryNotFoundError,
+            "GatedRepoError": errors.GatedRepoError,
+            "LocalEntryNotFoundError": errors.LocalEntryNotFoundError}
+
+
+def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``fn``; ``{"ok": True, "value": ...}`` or ``{"ok": False, "error": error_info}``."""
+    start = time.monotonic()
+    try:
+        value = fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return {"ok": False, "error": error_info(exc, start)}
+    return {"ok": True, "value": value, "elapsed_s": time.monotonic() - start}
+
+
+# --- fingerprints ---------------------------------------------------------------------------------
+
+def tensor_sha(t: Any) -> str:
+    """sha256 of a CPU tensor's raw bytes (any dtype, contiguous copy if needed)."""
+    import torch
+
+    d = t.detach()
+    if d.numel() == 0:
+        return hashlib.sha256(b"").hexdigest()
+    raw = d.contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str, sort_keys=True))
+
+
+def fingerprint(model: Any) -> dict[str, Any]:
+    """Every named parameter and buffer (persistent or not, tied names included): dtype, shape,
+    device, requires_grad, sha256 of the bytes; the tie groups; module flags; configs."""
+    tensors: dict[str, Any] = {}
+    groups: dict[int, list[str]] = {}
+    for kind, named in (("param", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, t in named:
+            tensors[name] = {"kind": kind, "dtype": str(t.dtype), "shape": list(t.shape),
+                             "device": str(t.device), "requires_grad": bool(t.requires_grad),
+                             "sha256": tensor_sha(t)}
+            groups.setdefault(id(t), []).append(name)
+    generation = getattr(model, "generation_config", None)
+    return {
+        "class": type(model).__name__,
+        "tensors": tensors,
+        "ties": sorted(sorted(g) for g in groups.values() if len(g) > 1),
+        "training": bool(model.training),
+        "training_modules": sorted(n for n, m in model.named_modules() if m.training),
+        "dtype": str(model.dtype),
+        "config": _jsonable(model.config.to_dict()),
+        "generation_config": _jsonable(generation.to_dict()) if generation is not None else None,
+        "name_or_path": model.name_or_path,
+        "keep_in_fp32": _jsonable(getattr(model, "_keep_in_fp32_modules", None)),
+    }
+
+
+# --- checkpoint reads ---------------------------------------------------------------------------
+
+class SafetensorsCounter:
+    """Counts ``safetensors.safe_open`` calls (files opened) and tensor reads (``get_tensor`` or
+    indexing a ``get_slice``) from now on, in every module that bound ``safe_open`` by name
+    (transformers does: ``from safetensors import safe_open``)."""
+
+    def __init__(self) -> None:
+        import safetensors
+
+        self.opens: list[str] = []
+        self.reads = 0
+        self._lock = threading.Lock()
+        original = safetensors.safe_open
+        counter = self
+
+        class _Slice:
+            def __init__(self, inner: Any) -> None:
+                self._inner = inner
+
+            def __getitem__(self, item: Any) -> Any:
+                with counter._lock:
+                    counter.reads += 1
+                return self._inner[item]
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._inner, name)
+
+        class _File:
+            def __init__(self, inner: Any) -> None:
+                self._inner = inner
+
+            def __enter__(self) -> Any:
+                self._inner.__enter__()
+                return self
+
+            def __exit__(self, *exc: Any) -> Any:
+                return self._inner.__exit__(*exc)
+
+            def get_tensor(self, name: str) -> Any:
+                with counter._lock:
+                    counter.reads += 1
+                return self._inner.get_tensor(name)
+
+            def get_slice(self, name: str) -> Any:
+                return _Slice(self._inner.get_slice(name))
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._inner, name)
+
+        def safe_open(filename: Any, *args: Any, **kwargs: Any) -> Any:
+            with counter._lock:
+                counter.opens.append(os.path.basename(str(filename)))
+            return _File(original(filename, *args, **kwargs))
+
+        self.rebound: list[str] = []
+        for name, module in list(sys.modules.items()):
+            if module is not None and getattr(module, "safe_open", None) is original:
+                setattr(module, "safe_open", safe_open)
+                self.rebound.append(name)
+
+    def snapshot(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self.opens), self.reads
+
+    def since(self, mark: tuple[int, int]) -> dict[str, Any]:
+        with self._lock:
+            return {"opens": len(self.opens) - mark[0], "reads": self.reads - mark[1],
+                    "files": self.opens[mark[0]:]}
