@@ -114,7 +114,7 @@ def _offline_or_online(wrapped: Callable[..., Any], args: tuple[Any, ...],
 
 def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: dict[str, Any], *, what: str, scope: str | None = None,
-                share: Callable[[Any, _coordinate.Call],
+                share: Callable[[Any, _coordinate.Call, Mode],
                                 tuple[dict[str, Any], Callable[[], None] | None]] | None = None,
                 settle: Callable[[Any, Mode], Any] | None = None) -> Any:
     """Run ``wrapped(*args, **kwargs)`` leader-first across the ranks of its scope.
@@ -127,8 +127,9 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         args, kwargs: the caller's arguments, passed through untouched on the leader.
         what: human-readable description for logs and errors.
         scope: ``node`` or ``job``; the download scope when None.
-        share: run by the leader on the result; returns extra payload for followers (weights)
-            and a step to run once the payload is published (or None).
+        share: run by the leader on the result (with the call and the leader's mode, whose
+            ``used`` nested wrappers filled); returns extra payload for followers (weights) and a
+            step to run once the payload is published (or None).
         settle: run by a follower on its result before returning it.
 
     Returns:
@@ -158,12 +159,13 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                                 topology=topology, config=config, what=what)
 
     def lead() -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
-        token = _MODE.set(Mode(lead=True, scope=scope, loads_model=share is not None))
+        mode = Mode(lead=True, scope=scope, loads_model=share is not None)
+        token = _MODE.set(mode)
         try:
             result = wrapped(*args, **kwargs)
         finally:
             _MODE.reset(token)
-        payload, after = share(result, call) if share is not None else ({}, None)
+        payload, after = share(result, call, mode) if share is not None else ({}, None)
         return result, payload, after
 
     def follow(role: _coordinate.Role, payload: dict[str, Any]) -> Any:

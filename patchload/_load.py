@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Final
@@ -129,7 +130,8 @@ def _repoint(model: Any, entries: list[list[Any]], index: int, tensor: torch.Ten
             tensor.data
 
 
-def _share(result: Any, call: Call) -> tuple[dict[str, Any], Callable[[], None] | None]:
+def _share(result: Any, call: Call, mode: Mode
+           ) -> tuple[dict[str, Any], Callable[[], None] | None]:
     """Leader: share the loaded model's tensors; returns the payload and a post-publish step."""
     global _EXIT_HOOKED
     model = _model_of(result)
@@ -144,7 +146,8 @@ def _share(result: Any, call: Call) -> tuple[dict[str, Any], Callable[[], None] 
     from .transport import shm
 
     entries, unique = _entries(model)
-    info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}"}
+    info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "headers": mode.used.get("headers", {})}
     if call.scope == "job" and _state.config().transport == "collective":
         payload, after = share_collective(call, unique)
         info.update(transport="collective", **payload)
@@ -288,6 +291,32 @@ def _settle(result: Any, mode: Mode) -> Any:
     return result
 
 
+def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:
+    """``transformers.modeling_utils.load_state_dict`` with ``map_location="meta"``: how
+    ``dtype="auto"`` reads a checkpoint's header. The leader records what it saw; a follower is
+    answered from that record, so it opens no checkpoint file at all."""
+    mode = current_mode()
+    location = kwargs.get("map_location", args[1] if len(args) > 1 else None)
+    if mode is None or not mode.loads_model or str(location) != "meta":
+        return wrapped(*args, **kwargs)
+    name = os.path.basename(str(args[0] if args else kwargs.get("checkpoint_file")))
+    if mode.lead:
+        state = wrapped(*args, **kwargs)
+        mode.used.setdefault("headers", {})[name] = {
+            key: [str(t.dtype).removeprefix("torch."), list(t.shape)] for key, t in state.items()}
+        return state
+    header = (mode.payload.get("weights") or {}).get("headers", {}).get(name)
+    if header is None:
+        return wrapped(*args, **kwargs)
+    import torch
+
+    from .transport import dtype_from_str
+
+    return {key: torch.empty(shape, dtype=dtype_from_str(dtype), device="meta")
+            for key, (dtype, shape) in header.items()}
+
+
 def _from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
     owner = instance if isinstance(instance, type) else type(instance)
@@ -339,4 +368,5 @@ def load_patches() -> list[Patch]:
               expand=_auto_classes),
         Patch("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model",
               _load_pretrained_model),
+        Patch("transformers.modeling_utils", "load_state_dict", _load_state_dict),
     ]

@@ -481,8 +481,12 @@ def test_nothing_from_the_store_is_unpickled_or_executed() -> None:
                 func = node.func
                 name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
                 owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+                # _errors.py imports the module of a leader's exception class, but only from a
+                # fixed list of packages the patched calls raise from (see
+                # test_unit.py::test_follower_exception_imports_only_known_packages).
+                allowed_import = name == "import_module" and path.name == "_errors.py"
                 if name in banned_calls and not (name == "loads" and owner == "json") and not (
-                        name == "compile" and owner == "re"):
+                        name == "compile" and owner == "re") and not allowed_import:
                     found.append(f"{path.name}:{node.lineno} calls {ast.unparse(func)}")
                 if name == "load" and owner == "torch":
                     found.append(f"{path.name}:{node.lineno} calls torch.load (unpickles)")

@@ -233,10 +233,6 @@ def test_minilm_followers_read_no_tensor_and_make_no_requests(minilm_job: Job,
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.xfail(strict=True, reason=(
-    "patchload bug (reported): a follower reruns from_pretrained, and with dtype='auto' and no "
-    "dtype in config.json transformers' _get_dtype opens every checkpoint file to read its "
-    "header (load_state_dict(map_location='meta')); the weights are not read"))
 @pytest.mark.parametrize("step", ["minilm_st", "minilm_auto"])
 def test_minilm_followers_open_no_checkpoint(minilm_job: Job, step: str) -> None:
     records = _minilm_records(minilm_job, step)

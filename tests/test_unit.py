@@ -181,3 +181,24 @@ def test_follower_exception_of_an_oserror_class():
                               "message": "no such file"}, rank=1, leader_rank=0, prefix="p: ")
     assert isinstance(exc, FileNotFoundError) and str(exc) == "p: no such file"
     assert isinstance(pickle.loads(pickle.dumps(exc)), FileNotFoundError)
+
+
+def test_follower_exception_imports_only_known_packages():
+    code = """
+import sys, json
+from patchload._errors import follower_exception
+out = {}
+for module, qualname in (("safetensors", "SafetensorError"), ("xml.dom.minidom", "Node"),
+                         ("antigravity", "Exception")):
+    exc = follower_exception({"module": module, "qualname": qualname, "message": "m"},
+                             rank=1, leader_rank=0, prefix="")
+    out[module] = [type(exc).__mro__[1].__name__, module in sys.modules]
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PATCHLOAD": "0"})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["safetensors"] == ["SafetensorError", True]  # the plain call would import it
+    assert out["xml.dom.minidom"] == ["PatchloadError", False]  # never imported from the store
+    assert out["antigravity"] == ["PatchloadError", False]
