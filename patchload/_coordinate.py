@@ -372,7 +372,8 @@ def wait_followers_done(call: Call, timeout_s: float, *, late_s: float = 0.0) ->
         if not pending:
             return
         if not logged:
-            logger.info("%s: waiting up to %.0f s for ranks %s to take the shared weights "
-                        "before exiting", call.prefix(), deadline - time.monotonic(), pending)
+            logger.info("%s: before exiting, waiting up to %.0f s for ranks %s to take the "
+                        "shared weights (at most %.0f s for ranks that have not reached the "
+                        "call)", call.prefix(), deadline - time.monotonic(), pending, late_s)
             logged = True
         time.sleep(0.05)
