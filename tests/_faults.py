@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from _launch import (WORKERS, Job, _read_reports, _wait_all, free_port, job_env,
-                     run_torchrun)
+                     plain_rank_env, run_torchrun)
 from _launch import gets_per_file  # noqa: F401 - re-exported for the tests
 from patchload.testing import LoopbackHub
 
@@ -92,11 +92,7 @@ def run_plan_plain(hub: LoopbackHub, folders: dict[str, Path], steps: list[dict[
     start = time.monotonic()
     procs, logs = [], []
     for rank in range(world_size):
-        rank_env = {**base, "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                    "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                    "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "TORCHELASTIC_USE_AGENT_STORE": "True",
-                    "TORCHELASTIC_RUN_ID": f"fault-{port}"}
+        rank_env = plain_rank_env(base, rank, world_size, port, run_id=f"fault-{port}")
         log = out / f"rank-{rank}.log"
         with open(log, "wb") as handle:
             procs.append(subprocess.Popen(

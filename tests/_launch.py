@@ -204,6 +204,16 @@ def run_plain(hub: LoopbackHub, worker: str, args: Iterable[str], *, env: dict[s
                _requests_since(hub, t0), out_dir)
 
 
+def plain_rank_env(env: dict[str, str], rank: int, world_size: int, store_port: int, *,
+                   run_id: str) -> dict[str, str]:
+    """``env`` plus torchrun's variables for ``rank`` of a one-node job whose agent store is the
+    caller's TCPStore at ``127.0.0.1:store_port``."""
+    return {**env, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store_port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RUN_ID": run_id}
+
+
 def start_ranks(worker: str, args: Iterable[str], *, world_size: int, store_port: int,
                 env: dict[str, str]) -> tuple[list[subprocess.Popen], list[Path]]:
     """Start ``world_size`` plain processes as the ranks of one node, with torchrun's variables
@@ -213,11 +223,7 @@ def start_ranks(worker: str, args: Iterable[str], *, world_size: int, store_port
     out_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for rank in range(world_size):
-        rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                    "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                    "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port),
-                    "TORCHELASTIC_USE_AGENT_STORE": "True",
-                    "TORCHELASTIC_RUN_ID": f"plain-{store_port}"}
+        rank_env = plain_rank_env(env, rank, world_size, store_port, run_id=f"plain-{store_port}")
         log = out_dir / f"rank-{rank}.log"
         procs.append(_spawn([sys.executable, str(WORKERS / f"{worker}.py"), *args], rank_env, log,
                             out_dir))
