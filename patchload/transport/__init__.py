@@ -1,12 +1,14 @@
 """How tensor bytes move from a leader to its followers.
 
-Two backends, one module each, both behind :class:`Transport`:
+Two backends, one module each, each with a leader role and a follower role:
 
-- :mod:`patchload.transport.shm`: inside one node. The node leader writes the tensors into one
-  sealed memfd blob (or points at the checkpoint file it already maps); local followers map it
-  copy-on-write, so the node holds one physical copy.
-- :mod:`patchload.transport.collective`: across nodes or into GPU memory. Bucketed broadcasts over
-  a private process group built from a store, never on the default group.
+- :mod:`patchload.transport.shm` (``share`` / ``attach``, neither collective): inside one
+  node. The node leader writes the tensors into one sealed memfd blob (or points at the
+  checkpoint file it already maps); local followers map it copy-on-write, so the node holds one
+  physical copy.
+- :mod:`patchload.transport.collective` (``private_group`` + ``broadcast``, collective over
+  the group): across nodes or into GPU memory. Bucketed broadcasts over a private process
+  group built from a store, never on the default group.
 
 These modules move bytes only. The caller hands them an ordered list of unique tensors (tied
 weights already deduplicated) and carries their JSON-able description (:class:`TensorMeta`, the shm
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
 
 from patchload._errors import PatchloadError
 
@@ -29,7 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TensorMeta",
-    "Transport",
     "TransportError",
     "TransportTimeout",
     "ShmAttachError",
@@ -144,41 +145,3 @@ class LeaderGoneError(ShmAttachError, FileNotFoundError):
     A follower that attached before keeps working; one that attaches after gets this error.
     """
 
-
-class Transport(Protocol):
-    """The two roles every backend implements.
-
-    The leader calls :meth:`publish` with the real tensors; each follower calls :meth:`receive`
-    with the metas and the payload the leader published (the caller moves both through its store
-    as JSON). Whether a role is collective depends on the backend: for
-    :class:`~patchload.transport.collective.CollectiveTransport` both roles are collective over its
-    group (every member calls once, in the same order); for
-    :class:`~patchload.transport.shm.ShmTransport` neither is (the leader publishes and moves on).
-    """
-
-    def publish(self,
-                tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """Leader role: make ``tensors`` available to followers.
-
-        Args:
-            tensors: unique tensors, in the order the followers expect.
-
-        Returns:
-            ``(payload, replacements)``: the JSON-able payload followers need, and one tensor per
-            input with the same values, shape and dtype, which the leader may keep instead of the
-            input (it can be the input itself).
-        """
-        ...
-
-    def receive(self, metas: Sequence[TensorMeta],
-                payload: Mapping[str, Any]) -> list[torch.Tensor]:
-        """Follower role: obtain tensors bitwise equal to the leader's, in order.
-
-        Args:
-            metas: the leader's tensor descriptions, in order.
-            payload: what :meth:`publish` returned on the leader.
-
-        Returns:
-            One tensor per meta, with its shape and dtype.
-        """
-        ...

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final, Mapping, MutableMapping, Sequence
+from typing import Any, Final, MutableMapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from patchload.transport import (
     meta_of,
 )
 
-__all__ = ["PrivateGroup", "private_group", "broadcast", "CollectiveTransport"]
+__all__ = ["PrivateGroup", "private_group", "broadcast"]
 
 logger = logging.getLogger(__name__)
 
@@ -295,37 +295,6 @@ def broadcast(
     if is_src:
         return list(tensors_or_metas)  # type: ignore[arg-type]
     return outputs  # type: ignore[return-value]
-
-
-class CollectiveTransport:
-    """:class:`~patchload.transport.Transport` over :func:`broadcast`. Both roles are collective.
-
-    Args:
-        group: the private group; the publisher must be ``src_group_rank``.
-        src_group_rank: the sender's rank in ``group``.
-        bucket_bytes: the most bytes one broadcast carries.
-        device: where receivers put the tensors.
-    """
-
-    def __init__(self, group: PrivateGroup, *, src_group_rank: int, bucket_bytes: int,
-                 device: str | torch.device = "cpu") -> None:
-        self.group = group
-        self.src_group_rank = src_group_rank
-        self.bucket_bytes = bucket_bytes
-        self.device = device
-
-    def publish(self,
-                tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """Source role: broadcast ``tensors``; returns ``({}, tensors)``."""
-        sent = broadcast(self.group, tensors, src_group_rank=self.src_group_rank, is_src=True,
-                         bucket_bytes=self.bucket_bytes, device=self.device)
-        return {}, sent
-
-    def receive(self, metas: Sequence[TensorMeta],
-                payload: Mapping[str, Any]) -> list[torch.Tensor]:
-        """Receiver role: returns the broadcast tensors (``payload`` is unused)."""
-        return broadcast(self.group, metas, src_group_rank=self.src_group_rank, is_src=False,
-                         bucket_bytes=self.bucket_bytes, device=self.device)
 
 
 # --- helpers ------------------------------------------------------------------------------------

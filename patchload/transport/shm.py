@@ -38,7 +38,7 @@ from patchload.transport import (
     meta_of,
 )
 
-__all__ = ["share", "attach", "release", "ShmTransport"]
+__all__ = ["share", "attach", "release"]
 
 logger = logging.getLogger(__name__)
 
@@ -302,33 +302,6 @@ def release(descriptor: Mapping[str, Any]) -> None:
             return
     os.close(int(fd))
     logger.debug("released shared blob fd %d", fd)
-
-
-class ShmTransport:
-    """:class:`~patchload.transport.Transport` over :func:`share` / :func:`attach`.
-
-    Neither role is collective. The payload is the shm descriptor.
-    """
-
-    def publish(self,
-                tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """Calls :func:`share`; see there."""
-        return share(tensors)
-
-    def receive(self, metas: Sequence[TensorMeta],
-                payload: Mapping[str, Any]) -> list[torch.Tensor]:
-        """Calls :func:`attach` and checks the result against ``metas``.
-
-        Raises:
-            ValueError: the descriptor's tensors do not match ``metas``.
-            LeaderGoneError, ShmAttachError: see :func:`attach`.
-        """
-        tensors = attach(payload)
-        got = [meta_of(t) for t in tensors]
-        if got != list(metas):
-            raise ValueError(f"shm descriptor of pid {payload.get('pid')} holds {len(got)} "
-                             f"tensors that do not match the {len(metas)} expected metas")
-        return tensors
 
 
 # --- leader helpers -----------------------------------------------------------------------------
