@@ -100,9 +100,7 @@ def main_process_first(scope: str = "node"):  # type: ignore[no-untyped-def]
 
 def _configure_logging(cfg: Config) -> None:
     # Only when the user asked for a level explicitly: a library leaves logging alone otherwise.
-    import os
-
-    if not os.environ.get("PATCHLOAD_LOG_LEVEL"):
+    if cfg.log_level is None:
         return
     log = logging.getLogger("patchload")
     log.setLevel(cfg.log_level)

@@ -45,8 +45,9 @@ class Config:
     is reported dead."""
     bucket_bytes: int = 256 * 2**20
     """``PATCHLOAD_BUCKET_MB`` (in MiB, stored here in bytes): collective broadcast bucket size."""
-    log_level: str = "WARNING"
-    """``PATCHLOAD_LOG_LEVEL``: level of the ``patchload`` logger (a ``logging`` level name)."""
+    log_level: str | None = None
+    """``PATCHLOAD_LOG_LEVEL``: level of the ``patchload`` logger (a ``logging`` level name);
+    None when unset: the library then leaves logging alone (effectively WARNING)."""
 
 
 def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -82,10 +83,10 @@ def _positive(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
-def _log_level(env: Mapping[str, str], name: str, default: str) -> str:
+def _log_level(env: Mapping[str, str], name: str) -> str | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
-        return default
+        return None
     value = raw.strip().upper()
     if not isinstance(logging.getLevelName(value), int):
         raise ConfigError(name, raw, "DEBUG / INFO / WARNING / ERROR / CRITICAL")
@@ -114,5 +115,5 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         timeout_s=_positive(env, "PATCHLOAD_TIMEOUT", 3600.0),
         heartbeat_s=_positive(env, "PATCHLOAD_HEARTBEAT", 5.0),
         bucket_bytes=int(_positive(env, "PATCHLOAD_BUCKET_MB", 256.0) * 2**20),
-        log_level=_log_level(env, "PATCHLOAD_LOG_LEVEL", "WARNING"),
+        log_level=_log_level(env, "PATCHLOAD_LOG_LEVEL"),
     )

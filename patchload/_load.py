@@ -117,8 +117,6 @@ def _owner(model: Any, name: str) -> tuple[Any, str]:
 
 def _repoint(model: Any, entries: list[list[Any]], index: int, tensor: torch.Tensor) -> None:
     """Make the leader's own tensor ``index`` a view of its shared copy (same bytes)."""
-    import torch
-
     for name, kind, i, _ in entries:
         if i != index:
             continue
@@ -126,8 +124,7 @@ def _repoint(model: Any, entries: list[list[Any]], index: int, tensor: torch.Ten
         if kind == "param":
             module._parameters[attribute].data = tensor
             return  # one Parameter object serves every tied name
-        module._buffers[attribute] = tensor if not isinstance(tensor, torch.nn.Parameter) else \
-            tensor.data
+        module._buffers[attribute] = tensor
 
 
 def _share(result: Any, call: Call, mode: Mode
