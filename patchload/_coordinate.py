@@ -13,6 +13,7 @@ come: they claim their own key, and a late rank finds the outcome already publis
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import hashlib
@@ -125,16 +126,26 @@ def claim(call: Call) -> Role:
 
 
 class _Heartbeat:
-    """One daemon thread per process that bumps a heartbeat counter for every call it leads."""
+    """One daemon thread per process that bumps a heartbeat counter for every call it leads.
+
+    Stopped and joined at interpreter exit: a daemon thread still inside a store call when the
+    interpreter finalizes is killed while unwinding C++ frames, which aborts the whole process
+    ("terminate called without an active exception").
+    """
+
+    _JOIN_AT_EXIT_S: Final = 2.0
 
     def __init__(self) -> None:
         self._keys: dict[str, tuple[JobStore, float]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     def add(self, call: Call) -> None:
         with self._lock:
             self._keys[call.key] = (call.store, call.config.heartbeat_s)
+            if self._stopping.is_set():
+                return
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="patchload-heartbeat",
                                                 daemon=True)
@@ -144,9 +155,17 @@ class _Heartbeat:
         with self._lock:
             self._keys.pop(call.key, None)
 
+    def stop(self) -> None:
+        """Stop beating and wait for the thread, at most 2 s (called at interpreter exit)."""
+        self._stopping.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(self._JOIN_AT_EXIT_S)
+
     def _run(self) -> None:
         due: dict[str, float] = {}
-        while True:
+        while not self._stopping.is_set():
             with self._lock:
                 if not self._keys:
                     self._thread = None
@@ -161,10 +180,13 @@ class _Heartbeat:
                             store.store.add(key + "heartbeat", 1)
                     except Exception as err:  # noqa: BLE001 - a store hiccup must not kill the beat
                         logger.warning("heartbeat for %s failed: %s", key, err)
-            time.sleep(0.1)
+            self._stopping.wait(0.1)
+        with self._lock:
+            self._thread = None
 
 
 _HEARTBEAT = _Heartbeat()
+atexit.register(_HEARTBEAT.stop)
 
 
 def publish(call: Call, outcome: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ restarted job never sees the keys of the attempt before.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -61,6 +62,14 @@ class JobStore:
 
 _CACHE: dict[tuple[str, int], JobStore] = {}
 _CACHE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _drop_stores() -> None:
+    # Close store clients while the interpreter is whole, not during its finalization, where
+    # destroying torch's C++ objects in an arbitrary order can abort the process.
+    with _CACHE_LOCK:
+        _CACHE.clear()
 
 
 def private_dir() -> Path:
