@@ -302,7 +302,9 @@ def test_leader_error_reaches_every_rank(step: str, request: pytest.FixtureReque
                                        else "errors_job")
     errors = check_same_error_everywhere(job, step)
     assert {e["type"] for e in errors.values()} == {EXPECTED_CLASS[step]}
-    limit_s = 10.0 if step in FAST_FAILURES else 40.0
+    # Bounded, not a speed figure: the retrying steps' bound leaves room for a loaded machine
+    # (followers still raise within 10 s of the leader, checked above).
+    limit_s = 10.0 if step in FAST_FAILURES else 120.0
     assert max(e["elapsed_s"] for e in errors.values()) < limit_s, errors
     # Followers never touch the network: the leader alone made the step's requests.
     window = job.window(step)
