@@ -42,8 +42,10 @@ def doctor() -> list[str]:
     lines += [f"download scope: {scope}",
               f"weights: {'shared with followers' if cfg.broadcast else 'each rank loads its own'}"
               " (PATCHLOAD_BROADCAST)",
-              f"transport: {cfg.transport}" + (" -> shm inside a node" if cfg.transport == "auto"
-                                                 else ""),
+              f"transport: {cfg.transport}" + (
+                  " -> shm inside a node; across nodes, a broadcast to the node leaders if the "
+                  "hub cache is shared, else each node leader reads its own disk"
+                  if cfg.transport == "auto" else ""),
               f"timeout: {cfg.timeout_s:.0f} s, heartbeat: {cfg.heartbeat_s:.0f} s, "
               f"bucket: {cfg.bucket_bytes // 2**20} MiB"]
     lines += [f"{pkg}: {_version(pkg)}" for pkg in

@@ -1,4 +1,7 @@
-"""Weights by collective broadcast (``PATCHLOAD_TRANSPORT=collective``): who joins, and the send.
+"""Weights by collective broadcast: who joins, and the send.
+
+Used for every rank under ``PATCHLOAD_TRANSPORT=collective``, and between node leaders when the
+nodes share one hub cache (the job leader reads, the node leaders receive and share in their node).
 
 The leader never blocks in a collective that followers do not join: once it has loaded, it waits
 at most ``_ARRIVAL_WINDOW_S`` for the ranks of its scope to arrive at the same call key, publishes
@@ -30,13 +33,14 @@ _ARRIVAL_WINDOW_S: Final = 5.0
 _GROUP_TIMEOUT_S: Final = 300.0
 
 
-def _arrived(call: Call) -> list[int]:
+def _arrived(call: Call, expected: int) -> list[int]:
+    """The ranks that arrived at ``call`` within the window (fewer if ``expected`` did not)."""
     ranks = [r for r in range(call.topology.world_size) if r != call.topology.rank]
     deadline = time.monotonic() + _ARRIVAL_WINDOW_S
     while True:
         with call.store.lock:
             present = [r for r in ranks if call.store.store.check([call.key + f"arrived/{r}"])]
-        if len(present) == len(ranks) or time.monotonic() > deadline:
+        if len(present) >= expected or time.monotonic() > deadline:
             return present
         time.sleep(0.02)
 
@@ -46,7 +50,8 @@ def share_collective(call: Call, tensors: list[torch.Tensor]
     """Leader: choose the members and return (payload, the broadcast to run once published).
 
     Args:
-        call: the load call (scope ``job``).
+        call: the load call (scope ``job``): made by every rank (``PATCHLOAD_TRANSPORT=
+            collective``), or only by the node leaders (one per node, the hierarchy).
         tensors: the unique CPU tensors to send, in order.
 
     Returns:
@@ -54,7 +59,10 @@ def share_collective(call: Call, tensors: list[torch.Tensor]
     """
     from .transport import meta_of
 
-    members = [call.topology.rank] + _arrived(call)
+    topology = call.topology
+    expected = (topology.world_size if _state.config().transport == "collective"
+                else topology.num_nodes) - 1
+    members = [topology.rank] + _arrived(call, expected)
     payload = {"members": members, "metas": [meta_of(t).to_json() for t in tensors],
                "key": call.key}
 

@@ -47,10 +47,12 @@ class Mode:
         payload: the leader's published payload (followers only).
         used: per-call scratch space for nested wrappers (e.g. whether weights were received).
         loads_model: the enclosing call loads model weights (it shares them on the leader).
+        call: the enclosing coordinated call.
     """
 
     lead: bool
     scope: str
+    call: _coordinate.Call
     loads_model: bool = False
     payload: dict[str, Any] = field(default_factory=dict)
     used: dict[str, Any] = field(default_factory=dict)
@@ -116,7 +118,9 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: dict[str, Any], *, what: str, scope: str | None = None,
                 share: Callable[[Any, _coordinate.Call, Mode],
                                 tuple[dict[str, Any], Callable[[], None] | None]] | None = None,
-                settle: Callable[[Any, Mode], Any] | None = None) -> Any:
+                settle: Callable[[Any, Mode], Any] | None = None,
+                lead_with: Callable[..., Any] | None = None,
+                call: _coordinate.Call | None = None) -> Any:
     """Run ``wrapped(*args, **kwargs)`` leader-first across the ranks of its scope.
 
     Not collective: no rank waits for ranks that do not make the same call.
@@ -131,6 +135,10 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             ``used`` nested wrappers filled); returns extra payload for followers (weights) and a
             step to run once the payload is published (or None).
         settle: run by a follower on its result before returning it.
+        lead_with: what the leader runs in place of ``wrapped`` (same arguments), e.g. a node
+            leader that takes the weights from the job leader instead of its disk.
+        call: a call built by the caller (the node leaders' call inside a node-scoped load);
+            coordinated as it is, whatever the enclosing mode.
 
     Returns:
         The original call's result on this rank.
@@ -143,33 +151,26 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     topology = current_topology()
     if not topology.distributed or not _state.active():
         return wrapped(*args, **kwargs)
-    config = _state.config()
-    # A model load nested in a call that loads no model itself (a sentence-transformers model, a
-    # pipeline) is coordinated on its own, so that its weights are still shared.
-    own_weights = share is not None and (mode is None or not mode.loads_model)
-    if mode is not None and not mode.lead and not own_weights:
-        return wrapped(*args, **_offline(kwargs))  # a follower rerunning from the cache
-    store = job_store()
-    hub_scope = download_scope(config, topology, store)
-    if mode is not None and mode.lead and not own_weights and not (
-            mode.scope == "node" and hub_scope == "job" and share is None):
-        return wrapped(*args, **kwargs)  # nested inside a leader: its own call covers this one
-    scope = scope or hub_scope
-    call = _coordinate.call_key(name, deciding_arguments(wrapped, args, kwargs), scope=scope,
-                                topology=topology, config=config, what=what)
+    if call is None:
+        call = _call_of(name, wrapped, args, kwargs, what=what, scope=scope,
+                        shares=share is not None)
+        if call is None:
+            return _nested(mode, wrapped, args, kwargs)
+    lead_call = lead_with or wrapped
 
     def lead() -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
-        mode = Mode(lead=True, scope=scope, loads_model=share is not None)
+        mode = Mode(lead=True, scope=call.scope, call=call, loads_model=share is not None)
         token = _MODE.set(mode)
         try:
-            result = wrapped(*args, **kwargs)
+            result = lead_call(*args, **kwargs)
         finally:
             _MODE.reset(token)
         payload, after = share(result, call, mode) if share is not None else ({}, None)
         return result, payload, after
 
     def follow(role: _coordinate.Role, payload: dict[str, Any]) -> Any:
-        mode = Mode(lead=False, scope=scope, payload=payload, loads_model=share is not None)
+        mode = Mode(lead=False, scope=call.scope, call=call, payload=payload,
+                    loads_model=share is not None)
         token = _MODE.set(mode)
         try:
             result = _offline_or_online(wrapped, args, kwargs, call)
@@ -178,3 +179,33 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         return settle(result, mode) if settle is not None else result
 
     return _coordinate.leader_first(call, lead, follow)
+
+
+def _nested(mode: Mode, wrapped: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+    """A patched call nested in a coordinated one that covers it."""
+    if mode.lead:
+        return wrapped(*args, **kwargs)
+    return wrapped(*args, **_offline(kwargs))  # a follower rerunning from the cache
+
+
+def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any], *, what: str, scope: str | None,
+             shares: bool) -> _coordinate.Call | None:
+    """The call to coordinate, or None when the enclosing coordinated call covers this one."""
+    mode = _MODE.get()
+    topology = current_topology()
+    config = _state.config()
+    # A model load nested in a call that loads no model itself (a sentence-transformers model, a
+    # pipeline) is coordinated on its own, so that its weights are still shared.
+    own_weights = shares and (mode is None or not mode.loads_model)
+    if mode is not None and not mode.lead and not own_weights:
+        return None  # a follower: it reruns everything from the cache
+    store = job_store()
+    hub_scope = download_scope(config, topology, store)
+    if mode is not None and mode.lead and not own_weights and not (
+            mode.scope == "node" and hub_scope == "job" and not shares):
+        return None  # nested inside a leader: its own call covers this one
+    return _coordinate.call_key(name, deciding_arguments(wrapped, args, kwargs),
+                                scope=scope or hub_scope, topology=topology, config=config,
+                                what=what)

@@ -36,8 +36,10 @@ class Config:
     """``PATCHLOAD_BROADCAST``: followers receive the leader's weights. False: only downloads are
     coordinated and every rank loads the weights itself."""
     transport: str = "auto"
-    """``PATCHLOAD_TRANSPORT``: ``shm`` (node shared memory), ``collective`` (broadcast over a
-    private process group) or ``auto`` (shm inside a node, collective across nodes)."""
+    """``PATCHLOAD_TRANSPORT``: ``shm`` (each node's leader reads its files and shares them in
+    node shared memory), ``collective`` (one job leader broadcasts to every rank over a private
+    process group) or ``auto`` (shm inside a node; across nodes on one shared hub cache, the job
+    leader broadcasts to the other nodes' leaders, else each node's leader reads its own disk)."""
     timeout_s: float = 3600.0
     """``PATCHLOAD_TIMEOUT``: seconds a follower waits for the leader's outcome."""
     heartbeat_s: float = 5.0

@@ -33,8 +33,8 @@ from ._errors import LeaderFailedError, PatchloadTimeout, describe_exception, fo
 from ._store import JobStore, job_store
 from ._topology import Topology
 
-__all__ = ["Call", "Role", "call_key", "claim", "leader_first", "leading", "pending_followers",
-           "publish", "raise_failure", "wait_followers_done", "wait_outcome"]
+__all__ = ["Call", "Role", "call_key", "claim", "leader_first", "leading", "node_leaders_call",
+           "pending_followers", "publish", "raise_failure", "wait_followers_done", "wait_outcome"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,20 @@ def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topol
         count = _COUNTS[base]
         _COUNTS[base] += 1
     return Call(f"{base}/{count}/", what, scope, topology, config, job_store())
+
+
+def node_leaders_call(call: Call) -> Call:
+    """The job-scoped call that the node leaders of a node-scoped ``call`` make among themselves.
+
+    Its key is derived from ``call``'s (same function, arguments and occurrence), not counted
+    anew: a different rank may lead each node from one call to the next, and their counters of
+    job-scoped calls would disagree.
+    """
+    if call.scope != "node":
+        raise ValueError(f"{call.prefix()}: node_leaders_call needs a node-scoped call, got "
+                         f"scope {call.scope!r} for {call.what}")
+    key = "job/leaders/" + call.key.split("/", 1)[1]
+    return Call(key, call.what, "job", call.topology, call.config, call.store)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
 from ._calls import Mode, coordinated, current_mode
-from ._coordinate import Call, pending_followers, wait_followers_done
+from ._coordinate import Call, node_leaders_call, pending_followers, wait_followers_done
 from ._patching import Patch
+from ._scope import download_scope
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +44,7 @@ _UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size
                          "load_in_4bit", "offload_folder", "key_mapping")
 _CPU_MAPS: Final = (None, "cpu", {"": "cpu"})
 _EXIT_WAIT_S: Final = 60.0
-_TRIM_EVERY_BYTES: Final = 64 * 2**20
+_TRIM_EVERY_BYTES: Final = 16 * 2**20
 _LATE_S: Final = 5.0  # at exit, how long to also wait for ranks that have not reached the call
 
 # Blobs this process shared as a node leader and still keeps open for followers: (call,
@@ -145,7 +146,7 @@ def _share(result: Any, call: Call, mode: Mode
     entries, unique = _entries(model)
     info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "headers": mode.used.get("headers", {})}
-    if call.scope == "job" and _state.config().transport == "collective":
+    if call.scope == "job":  # a broadcast: to every rank, or to the other nodes' leaders
         payload, after = share_collective(call, unique)
         info.update(transport="collective", **payload)
         return {"weights": info}, after
@@ -330,9 +331,44 @@ def _from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
         logger.info("%s: weights not shared (%s): downloads coordinated, each rank loads its own",
                     what, reason)
         return coordinated(name, wrapped, args, kwargs, what=what)
-    scope = "job" if _state.config().transport == "collective" else "node"
-    return coordinated(name, wrapped, args, kwargs, what=what, scope=scope, share=_share,
-                       settle=_settle)
+    if _state.config().transport == "collective":
+        return coordinated(name, wrapped, args, kwargs, what=what, scope="job", share=_share,
+                           settle=_settle)
+    return coordinated(name, wrapped, args, kwargs, what=what, scope="node", share=_share,
+                       settle=_settle, lead_with=_node_leader_load(name, wrapped, what))
+
+
+def _node_leader_load(name: str, wrapped: Callable[..., Any],
+                      what: str) -> Callable[..., Any]:
+    """What a node leader runs: with several nodes on one shared hub cache (download scope
+    ``job``) and ``PATCHLOAD_TRANSPORT=auto``, the node leaders make the load among themselves,
+    so that one of them reads the checkpoint and broadcasts it to the others (who then share it
+    in their node); otherwise the original call, reading this node's files."""
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        node_call = current_mode().call
+        topology = node_call.topology
+        if (topology.num_nodes == 1 or _state.config().transport != "auto"
+                or download_scope(_state.config(), topology, node_call.store) != "job"):
+            return wrapped(*args, **kwargs)
+        node_mode = current_mode()
+        logger.info("%s: the nodes share one hub cache: one rank reads the checkpoint and "
+                    "broadcasts it to the other nodes' leaders", node_call.prefix())
+
+        def share(result: Any, call: Call, mode: Mode
+                  ) -> tuple[dict[str, Any], Callable[[], None] | None]:
+            node_mode.used.setdefault("headers", {}).update(mode.used.get("headers", {}))
+            return _share(result, call, mode)
+
+        def settle(result: Any, mode: Mode) -> Any:
+            headers = (mode.payload.get("weights") or {}).get("headers", {})
+            node_mode.used.setdefault("headers", {}).update(headers)
+            return _settle(result, mode)
+
+        return coordinated(name, wrapped, args, kwargs, what=what, share=share, settle=settle,
+                           call=node_leaders_call(node_call))
+
+    return load
 
 
 def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
