@@ -9,7 +9,9 @@ files it opened. The reference is a plain load in a ``PATCHLOAD=0`` process (con
 
 from __future__ import annotations
 
+import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +250,81 @@ def test_corrupt_checkpoint_every_rank_raises_the_same(errors_job: Job, step: st
     errors = check_same_error_everywhere(errors_job, step)
     assert max(e["elapsed_s"] for e in errors.values()) < 10.0, errors
     assert {e["type"] for e in errors.values()} == {"SafetensorError"}
+
+
+# --- hierarchy: two simulated nodes ---------------------------------------------------------------
+
+NODE_CASES = ("llama_tied", "bf16_auto", "custom")
+
+
+@pytest.fixture(scope="module", params=["shared-cache", "own-caches"])
+def two_nodes_job(request: pytest.FixtureRequest, hub: Any,
+                  tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """2 simulated nodes x 2 ranks (two torchrun agents) loading NODE_CASES, on one HF_HOME (a
+    shared filesystem) or one HF_HOME per node; everything else on auto."""
+    root = tmp_path_factory.mktemp(f"load-{request.param}")
+    homes = ([root / "hf"] * 2 if request.param == "shared-cache"
+             else [root / "hf-node0", root / "hf-node1"])
+    envs = [job_env(hub.endpoint, home, root / "out") for home in homes]
+    job = run_torchrun(hub, "load", ["--cases", ",".join(NODE_CASES)], nproc=2, nnodes=2,
+                       env=envs, timeout_s=JOB_TIMEOUT_S)
+    job.extra["cache"] = request.param
+    return job.check_ok()
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_read_the_checkpoint_once_per_cache(two_nodes_job: Job,
+                                                      reference: dict[str, Any]) -> None:
+    """Shared cache: one rank reads, the other node's leader receives it by broadcast and
+    shares it in its node. Own caches: each node's leader reads its own disk."""
+    node_of = {rank: rank // 2 for rank in two_nodes_job.ranks}
+    for case in NODE_CASES:
+        records = _case_records(two_nodes_job, case)
+        for rank, record in records.items():
+            want = reference["steps"][record["ref"]]["fingerprint"]
+            assert diff_fingerprints(record["fingerprint"], want) == [], (rank, case)
+        readers = sorted(r for r, rec in records.items() if rec["checkpoint"]["opens"])
+        if two_nodes_job.extra["cache"] == "shared-cache":
+            assert len(readers) == 1, (case, {r: rec["checkpoint"] for r, rec in records.items()})
+        else:
+            assert sorted(node_of[r] for r in readers) == [0, 1], (case, readers)
+        window = two_nodes_job.window(case)
+        assert {r.rank for r in window} <= set(readers), (case, window)
+
+
+# --- two jobs on one node ------------------------------------------------------------------------
+
+@pytest.mark.timeout(400)
+def test_two_jobs_on_one_node_see_only_their_own_blobs(hub: Any, reference: dict[str, Any],
+                                                       tmp_path: Path) -> None:
+    """Two torchrun jobs at once on one HF_HOME, converting loads (memfd blobs) and zero-copy
+    ones (file regions): each follower attaches only to tensors shared by a rank of its own job
+    (the debug line names the sharing pid), and every rank equals a plain load."""
+    cases = ("bf16_default", "llama_tied")
+    jobs: dict[str, Job] = {}
+
+    def run(name: str) -> None:
+        env = job_env(hub.endpoint, tmp_path / "hf", tmp_path / name, PATCHLOAD_LOG_LEVEL="DEBUG")
+        jobs[name] = run_torchrun(hub, "load", ["--cases", ",".join(cases)], nproc=2, env=env,
+                                  timeout_s=JOB_TIMEOUT_S)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name, job in jobs.items():
+        job.check_ok()
+        own_pids = {report["pid"] for report in job.ranks.values()}
+        attached = {int(pid) for text in job.outputs
+                    for pid in re.findall(r"attached \d+ tensors shared by pid (\d+)", text)}
+        assert attached, f"job {name}: no follower attached to shared tensors\n" + \
+            job.describe()
+        assert attached <= own_pids, (name, attached, own_pids)
+        for case in cases:
+            for rank, record in _case_records(job, case).items():
+                want = reference["steps"][record["ref"]]["fingerprint"]
+                assert diff_fingerprints(record["fingerprint"], want) == [], (name, rank, case)
 
 
 # --- 8. world size 1 -----------------------------------------------------------------------------
