@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
 from ._calls import Mode, coordinated, current_mode
+from ._compat import loaded_from_leader
 from ._coordinate import Call, node_leaders_call, pending_followers, wait_followers_done
 from ._patching import Patch
 from ._scope import download_scope
@@ -376,17 +377,10 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     mode = current_mode()
     if mode is None or mode.lead:
         return wrapped(*args, **kwargs)
-    try:
-        from transformers.utils.loading_report import LoadStateDictInfo
-    except ImportError:  # transformers 4.x: another contract for this step; read the checkpoint
-        return wrapped(*args, **kwargs)
     model = args[0] if args else kwargs.get("model")
     if not _receive(mode, model):
         return wrapped(*args, **kwargs)
-
-    info = LoadStateDictInfo(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(),
-                             error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
-    return info, None
+    return loaded_from_leader(model)
 
 
 def _auto_classes(module: Any) -> list[str]:

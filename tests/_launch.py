@@ -10,6 +10,7 @@ the loopback hub in the pytest process records which rank sent which request.
 from __future__ import annotations
 
 import collections
+import importlib.metadata
 import json
 import os
 import signal
@@ -19,9 +20,23 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Final, Iterable, Sequence
 
 from patchload.testing import LoopbackHub, Request
+
+TRANSFORMERS_4: Final = importlib.metadata.version("transformers").startswith("4.")
+"""The tests run on transformers 4.x (the ``tf4`` subset in ``.venv-tf4``)."""
+
+
+def follower_checkpoint(leader_files: list[str]) -> dict[str, Any]:
+    """The checkpoint record (``opens``, ``reads``, ``files``) of a follower that got its weights
+    from a leader which opened ``leader_files``: nothing on transformers 5.x. On 4.x,
+    ``from_pretrained`` opens a single-file safetensors checkpoint once to check the format in
+    its metadata header before it loads anything; the follower reads no tensor."""
+    names = sorted(set(leader_files))
+    if TRANSFORMERS_4 and len(names) == 1 and names[0].endswith(".safetensors"):
+        return {"opens": 1, "reads": 0, "files": names}
+    return {"opens": 0, "reads": 0, "files": []}
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"

@@ -149,7 +149,9 @@ def single_process_jobs(hub: LoopbackHub, tmp_path_factory: pytest.TempPathFacto
 
 
 # --- 1. cold cache, N=3 ---------------------------------------------------------------------------
+# Also in the transformers 4.x subset (``-m tf4``, see the Makefile).
 
+@pytest.mark.tf4
 @pytest.mark.timeout(300)
 def test_cold_cache_each_file_fetched_once(cold_job: Job, folders: dict[str, Path]) -> None:
     gets = gets_per_file(cold_job.requests)
@@ -166,6 +168,7 @@ def test_cold_cache_each_file_fetched_once(cold_job: Job, folders: dict[str, Pat
     assert {repo for (repo, _) in gets} == set(DOWNLOAD_REPOS)
 
 
+@pytest.mark.tf4
 @pytest.mark.timeout(300)
 def test_cold_cache_followers_make_zero_requests(cold_job: Job) -> None:
     assert all(r.rank is not None for r in cold_job.requests), \
@@ -181,6 +184,7 @@ def test_cold_cache_followers_make_zero_requests(cold_job: Job) -> None:
     assert in_windows == len(cold_job.requests)
 
 
+@pytest.mark.tf4
 @pytest.mark.timeout(300)
 def test_cold_cache_every_rank_gets_the_same_result(cold_job: Job,
                                                     reference: dict[str, Any]) -> None:

@@ -32,13 +32,13 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    PreTrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     T5Config,
     T5ForConditionalGeneration,
 )
-from transformers import initialization as hf_init
+
+from .._compat import config_base, init_copy_
 
 __all__ = [
     "MINILM_REPO_ID",
@@ -216,7 +216,7 @@ def tiny_t5(folder: str | Path, *, with_tokenizer: bool = True, seed: int = 0) -
     return _save(model, folder, with_tokenizer=with_tokenizer)
 
 
-class PatchloadToyConfig(PreTrainedConfig):
+class PatchloadToyConfig(config_base()):  # type: ignore[misc]
     """Config of :class:`PatchloadToyModel` (``model_type="patchload-toy"``)."""
 
     model_type = "patchload-toy"
@@ -257,8 +257,8 @@ class PatchloadToyModel(PreTrainedModel):
         if isinstance(module, PatchloadToyModel):
             hidden = self.config.hidden_size
             expected = torch.arange(hidden, dtype=torch.float32) * self.config.buffer_scale
-            hf_init.copy_(module.scale, expected.to(module.scale.dtype))
-            hf_init.zeros_(module.offset)
+            init_copy_(module.scale, expected.to(module.scale.dtype))
+            init_copy_(module.offset, torch.zeros_like(module.offset))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Returns ``proj(embed(input_ids) * scale + offset)``."""

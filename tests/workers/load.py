@@ -178,11 +178,13 @@ def _extras(report: dict, barrier: _common.Barrier, counter: _common.Safetensors
     for round_name in ("follower_writes", "leader_writes"):
         mark = counter.snapshot()
         model = AutoModelForCausalLM.from_pretrained("org/llama")
-        opened = torch.tensor([counter.since(mark)["opens"]])
+        # The leader is the rank that read tensors (on transformers 4.x followers also open a
+        # single-file checkpoint, for its metadata header).
+        read = torch.tensor([counter.since(mark)["reads"]])
         gathered = [torch.zeros(1, dtype=torch.long) for _ in range(WORLD_SIZE)]
-        dist.all_gather(gathered, opened)
-        openers = [r for r, t in enumerate(gathered) if int(t) > 0]
-        leader = openers[0] if len(openers) == 1 else None
+        dist.all_gather(gathered, read)
+        readers = [r for r, t in enumerate(gathered) if int(t) > 0]
+        leader = readers[0] if len(readers) == 1 else None
         followers = [r for r in range(WORLD_SIZE) if r != leader]
         writer = followers[0] if round_name == "follower_writes" else leader
         weight = model.model.embed_tokens.weight
@@ -195,7 +197,7 @@ def _extras(report: dict, barrier: _common.Barrier, counter: _common.Safetensors
                 head.mul_(-1.0)
         dist.barrier()
         after = {"embed": _common.tensor_sha(weight), "head": _common.tensor_sha(head)}
-        cow[round_name] = {"writer": writer, "openers": openers, "before": before,
+        cow[round_name] = {"writer": writer, "readers": readers, "before": before,
                            "after": after}
         dist.barrier()
         del model
