@@ -7,7 +7,9 @@ The leader never blocks in a collective that followers do not join: once it has 
 at most ``_ARRIVAL_WINDOW_S`` for the ranks of its scope to arrive at the same call key, publishes
 the members it saw, and broadcasts to exactly those over a private gloo group built from the store
 (never the user's process group). A rank that arrives later is not a member: it loads plainly from
-the cache.
+the cache. So does a member whose broadcast fails (the leader or another member died mid-way,
+which gloo reports at once as a closed connection): the leader published its outcome only after
+its load succeeded, so the files are in the cache; the warning names the ranks found gone.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
-from ._coordinate import Call
+from ._coordinate import Call, gone_ranks
 from ._store import job_store
 from ._topology import current_topology
 
@@ -85,26 +87,37 @@ def share_collective(call: Call, tensors: list[torch.Tensor]
 
 
 def receive_collective(weights: dict[str, Any]) -> list[torch.Tensor] | None:
-    """Follower: receive the leader's tensors, or None when this rank is not a member.
+    """Follower: receive the leader's tensors, or None when this rank loads them plainly instead.
 
-    Collective over the members the leader published. Raises the transport's error (naming the
-    group and rank) when the leader or a member fails mid-way.
+    Collective over the members the leader published. None when this rank is not a member, or
+    when the broadcast failed (a member died or the connection broke; logged as a WARNING naming
+    the ranks found gone): the caller then loads from the cache the leader filled.
     """
-    from .transport import TensorMeta
+    from .transport import TensorMeta, TransportError
     from .transport.collective import broadcast, private_group
 
-    rank = current_topology().rank
+    topology = current_topology()
     members = weights["members"]
-    if rank not in members:
+    if topology.rank not in members:
         logger.info("[rank %d] arrived after the leader's broadcast started: loading plainly",
-                    rank)
+                    topology.rank)
         return None
     metas = [TensorMeta.from_json(m) for m in weights["metas"]]
-    group = private_group(job_store().store, group_rank=members.index(rank),
-                          group_size=len(members), tag=weights["key"],
-                          timeout_s=_GROUP_TIMEOUT_S)
+    store = job_store()
     try:
-        return broadcast(group, metas, src_group_rank=0, is_src=False,
-                         bucket_bytes=_state.config().bucket_bytes)
-    finally:
-        group.close()
+        group = private_group(store.store, group_rank=members.index(topology.rank),
+                              group_size=len(members), tag=weights["key"],
+                              timeout_s=_GROUP_TIMEOUT_S)
+        try:
+            return broadcast(group, metas, src_group_rank=0, is_src=False,
+                             bucket_bytes=_state.config().bucket_bytes)
+        finally:
+            group.close()
+    except TransportError as err:
+        gone = gone_ranks(store, weights["key"], members, topology)
+        logger.warning("[rank %d/%d] receiving the weights from leader rank %d failed (%s; "
+                       "members: ranks %s): %s; loading this rank's weights from the checkpoint",
+                       topology.rank, topology.world_size, members[0],
+                       ", ".join(f"rank {r} is gone" for r in gone) or "no member known to be "
+                       "gone on this node", json.dumps(members), err)
+        return None

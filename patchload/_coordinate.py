@@ -33,8 +33,9 @@ from ._errors import LeaderFailedError, PatchloadTimeout, describe_exception, fo
 from ._store import JobStore, job_store
 from ._topology import Topology
 
-__all__ = ["Call", "Role", "call_key", "claim", "leader_first", "leading", "node_leaders_call",
-           "pending_followers", "publish", "raise_failure", "wait_followers_done", "wait_outcome"]
+__all__ = ["Call", "Role", "call_key", "claim", "gone_ranks", "leader_first", "leading",
+           "node_leaders_call", "pending_followers", "publish", "raise_failure",
+           "wait_followers_done", "wait_outcome"]
 
 logger = logging.getLogger(__name__)
 
@@ -386,6 +387,36 @@ def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
                 continue
             pending.append(r)
     return pending
+
+
+def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, *,
+               settle_s: float = 1.0) -> list[int]:
+    """The ranks among ``ranks`` that took part in the call ``key`` (its leader, or a follower
+    that arrived) and whose process on this node has exited. Not collective.
+
+    Ranks on other hosts cannot be watched and are never counted. Waits up to ``settle_s``
+    seconds for one to be found: a peer's broken connection is seen a moment before its
+    process is gone.
+
+    Returns:
+        Their global ranks, ascending (empty when none is known to be gone).
+    """
+    pids: dict[int, int] = {}
+    with store.lock:
+        if store.store.check([key + "leader"]):
+            leader = json.loads(store.store.get(key + "leader"))
+            if leader["host"] == _HOST:
+                pids[int(leader["rank"])] = int(leader["pid"])
+        for r in ranks:
+            if (r not in pids and topology.node_of(r) == topology.node
+                    and store.store.check([key + f"arrived/{r}"])):
+                pids[r] = int(store.store.get(key + f"arrived/{r}"))
+    deadline = time.monotonic() + settle_s
+    while True:
+        gone = sorted(r for r in ranks if r in pids and not _process_alive(pids[r]))
+        if gone or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.05)
 
 
 def wait_followers_done(call: Call, timeout_s: float, *, late_s: float = 0.0) -> None:

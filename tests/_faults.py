@@ -31,7 +31,9 @@ from patchload.testing import LoopbackHub
 # that its faults and its request-log window are its own.
 LLAMA_IDS = ("f/ok", "f/abort-once", "f/reset", "f/stall", "f/memerr", "f/kill-read",
              "f/kill-published", "f/kill-follower", "f/kill-remote", "f/slow", "f/corrupt-cache", "f/stale-lock",
-             "f/readonly", "f/pg-timeout", "f/threads", "f/loop", "f/shared-home")
+             "f/readonly", "f/pg-timeout", "f/threads", "f/loop", "f/shared-home",
+             "f/enospc", "f/enospc-injected", "f/flock-enosys", "f/flock-noop", "f/bcast",
+             "f/bcast-kill-follower", "f/bcast-kill-leader")
 SHARDED_IDS = ("f/shard404", "f/sharded")
 
 

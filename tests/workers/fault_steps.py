@@ -32,6 +32,18 @@ each step is a dict:
   its job in ``dir`` and every rank waits until ``n`` such files exist (jobs start together).
 * ``init_pg_timeout_s``: before the call, ``init_process_group("gloo")`` with this timeout (once);
   after the call, an ``all_reduce`` and a ``barrier`` on it (the sum is reported).
+* ``env``: ``{PATCHLOAD_*: value}`` configuration for this step only (e.g. the collective
+  transport), as if read from the environment at install time.
+* ``flock``: ``"enosys"`` (``fcntl.flock`` fails with ``ENOSYS``, as on some NFS mounts) or
+  ``"noop"`` (it returns at once without locking, as on some Lustre/GPFS mounts), in every rank
+  during the call.
+* ``enospc``: ``{"rank": r, "after_bytes": n}``: in rank r only, writing a download's temporary
+  ``*.incomplete`` file under ``kwargs["cache_dir"]`` fails with ``ENOSPC`` once n bytes are in
+  it (a full disk where mounting a small tmpfs is not allowed).
+* ``inspect_cache``: before the call, the step's first rank lists every file and link under
+  ``kwargs["cache_dir"]`` (paths relative to it) into ``cache_before``.
+* ``kill_in_broadcast``: ``{"rank": r, "bucket": b}``: rank r SIGKILLs itself just before bucket
+  b of a collective broadcast (the leader while sending, a follower while receiving).
 
 Every rank writes ``$PLT_OUT/rank-<RANK>.json`` after each step: per step, ``ok`` and a weight
 check (every tensor of the checkpoint compared with the model, bitwise, after the same dtype
@@ -45,7 +57,10 @@ import os
 
 os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{os.environ.get('RANK', '0')}"
 
+import contextlib  # noqa: E402
 import datetime  # noqa: E402
+import errno  # noqa: E402
+import fcntl  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
@@ -70,6 +85,9 @@ import transformers.modeling_utils  # noqa: E402, F401 - binds safe_open by name
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import patchload._coordinate as coordinate  # noqa: E402
+import patchload.transport.collective as collective  # noqa: E402
+from patchload import _state  # noqa: E402
+from patchload._config import load_config  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -164,6 +182,83 @@ def _hook_publish() -> None:
     coordinate.publish = publish
 
 
+def _hook_broadcast() -> None:
+    """Apply ``kill_in_broadcast``: wrap the collective transport's one-operation runner."""
+    original = collective._run
+
+    def run(group: Any, action: str, started: float, launch: Any) -> None:
+        kill = _STEP.get("kill_in_broadcast")
+        if (kill and int(kill["rank"]) == RANK
+                and action.startswith(f"broadcast of bucket {kill['bucket']}/")):
+            SYNC.set(f"dying/{_STEP['name']}", str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(group, action, started, launch)
+
+    collective._run = run
+
+
+class _FullDisk:
+    """A file whose writes fail with ``ENOSPC`` once ``limit`` bytes are in it."""
+
+    def __init__(self, inner: Any, path: Path, limit: int) -> None:
+        self._inner, self._path, self._left = inner, path, limit
+
+    def write(self, data: Any) -> int:
+        if len(data) > self._left:
+            self._inner.write(bytes(data[:self._left]))
+            self._inner.flush()
+            self._left = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self._path))
+        self._left -= len(data)
+        return self._inner.write(data)
+
+    def __enter__(self) -> _FullDisk:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def _faults_for(step: dict[str, Any]) -> Any:
+    """Install the step's ``env``, ``flock`` and ``enospc`` faults in this rank for the call."""
+    restore: list[Any] = []
+    if step.get("env"):
+        _state.set_active(True, load_config({**os.environ, **step["env"]}))
+        restore.append(lambda: _state.set_active(True, load_config()))
+    kind = step.get("flock")
+    if kind:
+        original_flock = fcntl.flock
+
+        def flock(fd: Any, operation: int) -> None:
+            if kind == "enosys":
+                raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+        fcntl.flock = flock
+        restore.append(lambda: setattr(fcntl, "flock", original_flock))
+    full = step.get("enospc")
+    if full and int(full["rank"]) == RANK:
+        original_open = Path.open
+        root = str(step["kwargs"]["cache_dir"])
+
+        def open_(self: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            handle = original_open(self, mode, *args, **kwargs)
+            if str(self).startswith(root) and self.name.endswith(".incomplete") and "w" in mode:
+                return _FullDisk(handle, self, int(full["after_bytes"]))
+            return handle
+
+        Path.open = open_  # type: ignore[method-assign]
+        restore.append(lambda: setattr(Path, "open", original_open))
+    try:
+        yield
+    finally:
+        for undo in reversed(restore):
+            undo()
+
+
 def _dtype(kwargs: dict[str, Any]) -> dict[str, Any]:
     out = dict(kwargs)
     if isinstance(out.get("dtype"), str) and out["dtype"] != "auto":
@@ -225,8 +320,12 @@ def _call(step: dict[str, Any], repos: dict[str, str]) -> Any:
 def _resources() -> dict[str, int]:
     gc.collect()
     proc = psutil.Process()
-    return {"fds": len(os.listdir("/proc/self/fd")), "threads": proc.num_threads(),
-            "rss": proc.memory_info().rss}
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own fd is gone by now
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return {"fds": len(links), "threads": proc.num_threads(), "rss": proc.memory_info().rss,
+            "memfds": sum(link.startswith("/memfd:patchload") for link in links)}
 
 
 def _threads(step: dict[str, Any], repos: dict[str, str], record: dict[str, Any]) -> None:
@@ -325,11 +424,16 @@ def run_step(step: dict[str, Any], repos: dict[str, str], report: dict[str, Any]
     if step.get("init_pg_timeout_s") and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(
             seconds=float(step["init_pg_timeout_s"])))
+    if step.get("inspect_cache") and RANK == ranks[0]:
+        cache = Path(step["kwargs"]["cache_dir"])
+        record["cache_before"] = sorted(str(p.relative_to(cache)) for p in cache.rglob("*")
+                                        if p.is_file() or p.is_symlink())
     kill = step.get("self_kill")
     if kill and int(kill["rank"]) == RANK:
         threading.Timer(float(kill["after_s"]), os.kill, (os.getpid(), signal.SIGKILL)).start()
     record["t_call"] = time.time()
-    result = attempt(lambda: _call(step, repos))
+    with _faults_for(step):
+        result = attempt(lambda: _call(step, repos))
     record["t_end"] = time.time()
     SYNC.set(f"returned/{name}/{RANK}", "1")
     record["opened"] = list(_STEP.get("opened", []))
@@ -361,6 +465,7 @@ def body(report: dict[str, Any]) -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     _hook_safe_open()
     _hook_publish()
+    _hook_broadcast()
     report["installed"] = patchload.is_installed()
     for step in plan["steps"]:
         run_step(step, plan["repos"], report)
