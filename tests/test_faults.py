@@ -27,13 +27,15 @@ import concurrent.futures
 import ctypes
 import errno
 import hashlib
+import json
 import os
+import select
 import shutil
 import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -744,3 +746,139 @@ def test_every_file_patchload_creates_is_opened_with_o_nofollow() -> None:
                 mode = ast.unparse(node.args[1]) if len(node.args) > 1 else "'r'"
                 assert not any(c in mode for c in "wax+"), \
                     f"{path.name}:{node.lineno}: open() for writing follows symlinks"
+
+
+VICTIM_UID, OTHER_UID = 65533, 65534
+
+
+def _in_child_as(uid: int, fn: Callable[[int], dict[str, Any]], *, hold: bool = False,
+                 ) -> tuple[int, dict[str, Any], int | None]:
+    """Fork; the child drops to ``uid`` (and gid), runs ``fn(write_fd)`` and reports its dict as
+    one JSON line. With ``hold`` it then stays alive until the returned fd is closed.
+
+    Returns:
+        (child pid, its report, the fd whose closing releases it or None).
+    """
+    report_r, report_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        code = 0
+        try:
+            os.close(report_r)
+            os.close(hold_w)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out = fn(report_w)
+        except BaseException as err:  # noqa: BLE001 - reported to the test
+            out, code = {"crash": repr(err)}, 1
+        os.write(report_w, (json.dumps(out) + "\n").encode())
+        if hold:
+            os.read(hold_r, 1)
+        os._exit(code)
+    os.close(report_w)
+    os.close(hold_r)
+    ready, _, _ = select.select([report_r], [], [], 60)
+    assert ready, f"child {pid} (uid {uid}) did not report within 60 s"
+    with os.fdopen(report_r) as f:
+        report = json.loads(f.readline())
+    if not hold:
+        os.close(hold_w)
+        os.waitpid(pid, 0)
+    assert "crash" not in report, report
+    return pid, report, hold_w if hold else None
+
+
+def _errno_of(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except OSError as err:
+        return errno.errorcode[err.errno] if err.errno else repr(err)
+    return "allowed"
+
+
+@pytest.mark.timeout(120)
+def test_another_user_cannot_reach_blobs_or_private_files(tmp_path: Path) -> None:
+    """Users A and B on one node: B cannot open A's memfd blob through /proc (nor attach to
+    it), list, read, create or replace anything in A's private directory (its FileStore), or
+    make A use a directory B planted."""
+    if os.geteuid() != 0:
+        reason = "needs root to run two users (setuid); not root here"
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
+    # Import now what the children use: after setuid they may not read the interpreter's files.
+    import encodings.ascii  # noqa: F401
+    import tempfile
+
+    import torch
+    import torch.distributed  # noqa: F401
+
+    from patchload import _store
+    from patchload.transport import shm
+
+    shared = Path(tempfile.mkdtemp(prefix="plt-users-"))  # /tmp-like: 1777, reachable by both
+    shared.chmod(0o1777)
+    planted_root = shared / "planted"
+    planted_root.mkdir(mode=0o1777)
+    planted_root.chmod(0o1777)
+    try:
+        def plant(_: int) -> dict[str, Any]:
+            planted = planted_root / f"patchload-{VICTIM_UID}"
+            planted.mkdir()
+            planted.chmod(0o777)
+            return {"planted": str(planted)}
+
+        _in_child_as(OTHER_UID, plant)
+
+        def victim(_: int) -> dict[str, Any]:
+            import torch
+            import torch.distributed as dist
+
+            tempfile.tempdir = str(planted_root)
+            refused = _errno_of(_store.private_dir)
+            tempfile.tempdir = str(shared)
+            private = _store.private_dir()
+            store = dist.FileStore(str(private / "store-test"), -1)
+            store.set("k", "v")
+            descriptor, _ = shm.share([torch.arange(4096, dtype=torch.float32) * 3])
+            return {"refused_planted": refused, "private": str(private),
+                    "mode": oct(os.stat(private).st_mode & 0o777), "descriptor": descriptor,
+                    "files": sorted(p.name for p in private.iterdir())}
+
+        victim_pid, victim_info, release = _in_child_as(VICTIM_UID, victim, hold=True)
+        try:
+            refused = victim_info["refused_planted"]
+            assert "PermissionError" in refused and f"found uid {OTHER_UID}" in refused, refused
+            assert victim_info["mode"] == "0o700" and "store-test" in victim_info["files"]
+            descriptor = victim_info["descriptor"]
+            assert descriptor.get("fd") is not None, descriptor  # a memfd blob, not a file
+
+            def attacker(_: int) -> dict[str, Any]:
+                private = Path(victim_info["private"])
+                mine = shared / "mine"
+                mine.write_bytes(b"planted")
+                return {
+                    "open_blob": _errno_of(lambda: os.open(
+                        f"/proc/{descriptor['pid']}/fd/{descriptor['fd']}", os.O_RDONLY)),
+                    "attach_blob": _errno_of(lambda: shm.attach(descriptor)),
+                    "list_private": _errno_of(lambda: os.listdir(private)),
+                    "read_store": _errno_of(lambda: (private / "store-test").read_bytes()),
+                    "create_in_private": _errno_of(lambda: os.open(
+                        private / "x", os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600)),
+                    "replace_store": _errno_of(lambda: os.replace(mine, private / "store-test")),
+                    "remove_private": _errno_of(lambda: os.rename(private, shared / "moved")),
+                }
+
+            _, attempts, _ = _in_child_as(OTHER_UID, attacker)
+            print(f"uid {OTHER_UID} against uid {VICTIM_UID}'s patchload files: {attempts}")
+            assert all(result in ("EACCES", "EPERM") for result in attempts.values()), attempts
+            # Root (this process) can attach: the blob was there to be refused.
+            assert descriptor["pid"] == victim_pid
+            expected = torch.arange(4096, dtype=torch.float32) * 3
+            assert shm.attach(descriptor)[0].equal(expected)
+        finally:
+            os.close(release)  # type: ignore[arg-type]
+            os.waitpid(victim_pid, 0)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
