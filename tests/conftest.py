@@ -19,6 +19,7 @@ from patchload.testing import Fault, LoopbackHub
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _leftovers  # noqa: E402
 from _launch import Job, job_env, run_plain, run_torchrun  # noqa: E402
 
 
@@ -37,6 +38,22 @@ TRUNCATED = "err/truncated"
 RATELIMITED = ("rl/pair", "rl/file")  # 429 faults added by the test that uses them
 STALLED = "stall/pair"
 MISSING = "err/does-not-exist"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_leaves_nothing_behind(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """After the last test: the caches hold what the hub served, and nothing of patchload's is
+    left (memfds, threads, rank processes, private files, scope markers); see _leftovers.py."""
+    private_before = _leftovers.private_files()
+    yield
+    root = tmp_path_factory.getbasetemp()
+    problems = _leftovers.cache_problems(root) + _leftovers.process_leftovers()
+    problems += [f"left in the private directory: {p}"
+                 for p in sorted(_leftovers.private_files() - private_before)]
+    problems += [f"scope marker left: {p}" for p in _leftovers.scope_markers(root)]
+    print(f"\nsuite_leaves_nothing_behind: checked the caches under {root}: "
+          f"{len(problems)} problem(s)")
+    assert not problems, "\n".join(problems)
 
 
 @pytest.fixture(scope="session")

@@ -733,6 +733,7 @@ def test_files_patchload_creates_are_private_and_not_followed(
         _scope._detect(topology, store, 1.0)
     assert info.value.errno == errno.ELOOP
     assert target.read_text() == "keep me"
+    marker.unlink()  # the planted link; nothing of patchload may outlive the suite
 
 
 def test_every_file_patchload_creates_is_opened_with_o_nofollow() -> None:
