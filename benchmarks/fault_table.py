@@ -2,13 +2,15 @@
 
     .venv/bin/python benchmarks/fault_table.py            # prints one markdown table
 
-Runs two jobs of ``tests/workers/fault_steps.py`` (the worker of ``tests/test_faults.py``) against
-a loopback hub serving a tiny Llama, one fault per step:
+Runs three jobs of ``tests/workers/fault_steps.py`` (the worker of ``tests/test_faults.py``)
+against a loopback hub serving a tiny Llama, one fault per step:
 
 * a torchrun job of 3 ranks (``PATCHLOAD_HEARTBEAT=1``, ``HF_HUB_DOWNLOAD_TIMEOUT=1``): hub faults
-  on the leader and a corrupt cache;
+  on the leader, broken ``flock`` and a corrupt cache;
 * 4 plain ranks around a TCPStore hosted here (``PATCHLOAD_TIMEOUT=4``, ``PATCHLOAD_HEARTBEAT=1``),
-  so that a SIGKILLed rank leaves the others running (torchrun's agent would stop them all).
+  so that a SIGKILLed rank leaves the others running (torchrun's agent would stop them all);
+* 4 more plain ranks: a disk full under the leader, then the collective transport with a
+  follower, then the leader, SIGKILLed mid-broadcast.
 
 Columns: the fault; per rank, ``ok`` (weights checked bitwise against the checkpoint) or the
 exception class it raised (``L`` marks the leader, ``killed`` a rank SIGKILLed on purpose); the
@@ -53,6 +55,10 @@ HUB_STEPS = [
      "body stalls 120 s, HF_HUB_DOWNLOAD_TIMEOUT=1"),
     ({"name": "memory_error", "repo": "f/memerr", "leader": 0, "on_open": "MemoryError"},
      "leader's checkpoint read raises MemoryError"),
+    ({"name": "flock_enosys", "repo": "f/flock-enosys", "flock": "enosys"},
+     "`flock` fails with ENOSYS on every rank"),
+    ({"name": "flock_noop", "repo": "f/flock-noop", "flock": "noop"},
+     "`flock` returns without locking on every rank"),
     ({"name": "cache_ok", "repo": "f/corrupt-cache"}, None),
     ({"name": "truncate", "repo": "f/corrupt-cache", "truncate_cached": True}, None),
     ({"name": "cache_corrupt", "repo": "f/corrupt-cache"},
@@ -73,6 +79,23 @@ KILL_STEPS = [
      "leader on 'another host' SIGKILLed while reading (heartbeat only)"),
 ]
 
+COLLECTIVE = {"PATCHLOAD_TRANSPORT": "collective", "PATCHLOAD_BUCKET_MB": "0.01"}
+
+
+def _four_steps(cache_dir: Path) -> list[tuple[dict[str, Any], str | None]]:
+    return [
+        ({"name": "enospc", "repo": "f/enospc-injected", "leader": 0,
+          "kwargs": {"cache_dir": str(cache_dir)}, "enospc": {"rank": 0, "after_bytes": 30_000}},
+         "disk full (ENOSPC) while the leader writes the checkpoint's blob"),
+        ({"name": "bcast_kill_follower", "repo": "f/bcast-kill-follower", "leader": 0,
+          "env": COLLECTIVE, "kill_in_broadcast": {"rank": 3, "bucket": 2}, "dies": [3]},
+         "collective transport: follower SIGKILLed while receiving"),
+        ({"name": "bcast_kill_leader", "repo": "f/bcast-kill-leader", "ranks": [0, 1, 2],
+          "leader": 0, "env": COLLECTIVE, "kill_in_broadcast": {"rank": 0, "bucket": 2},
+          "dies": [0]},
+         "collective transport: leader SIGKILLed while broadcasting (rank 3 already dead)"),
+    ]
+
 
 def _cell(job: Any, step: dict[str, Any], rank: int) -> str:
     record = job.ranks.get(rank, {}).get("steps", {}).get(step["name"])
@@ -81,7 +104,8 @@ def _cell(job: Any, step: dict[str, Any], rank: int) -> str:
     if record["ok"]:
         weights = record.get("weights") or {}
         text = "ok" if weights.get("checked") and not weights.get("mismatched") else "WRONG"
-        own_load = step.get("late_rank") == rank and record.get("opened")
+        # A follower that read the checkpoint loaded on its own (the leader's weights were gone).
+        own_load = step.get("leader") not in (None, rank) and record.get("opened")
         leader = bool(record.get("opened")) and not own_load
         text += " (own load from the cache)" if own_load else ""
     else:
@@ -121,14 +145,19 @@ def main() -> int:
             kill_job = F.run_plan_plain(
                 hub, folders, [s for s, _ in KILL_STEPS], root=root / "kill", world_size=4,
                 timeout_s=240, PATCHLOAD_TIMEOUT="4", PATCHLOAD_HEARTBEAT="1")
+            four_steps = _four_steps(root / "full-disk-cache")
+            four_job = F.run_plan_plain(
+                hub, folders, [s for s, _ in four_steps], root=root / "four", world_size=4,
+                timeout_s=240, PATCHLOAD_TIMEOUT="60", PATCHLOAD_HEARTBEAT="1")
         finally:
             hub.close()
         lines = ["| fault | what each rank saw | seconds until every rank returned |",
                  "| --- | --- | ---: |"]
         lines += _rows(hub_job, HUB_STEPS, 3)
         lines += _rows(kill_job, KILL_STEPS, 4)
+        lines += _rows(four_job, four_steps, 4)
         print("\n".join(lines))
-        print(f"\n(3-rank torchrun job and 4 plain ranks on {_cpus()} CPUs; whole run "
+        print(f"\n(3-rank torchrun job and two jobs of 4 plain ranks on {_cpus()} CPUs; whole run "
               f"{time.monotonic() - started:.0f} s)")
     finally:
         if not args.keep:

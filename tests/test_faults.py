@@ -2,7 +2,7 @@
 
 Real processes on CPU (gloo), a loopback hub with faults per repo id, one worker
 (``tests/workers/fault_steps.py``) running a plan of steps per job, several cases per job to keep
-the module under four minutes on two cores. Four jobs, each a module-scoped fixture run once:
+the module under five minutes on two cores. Five jobs, each a module-scoped fixture run once:
 
 * ``hub_job`` (torchrun, 3 ranks): hub faults on the leader (404 for an indexed shard, a
   connection reset mid-body once and for good, a body stalled past ``HF_HUB_DOWNLOAD_TIMEOUT``),
@@ -15,9 +15,15 @@ the module under four minutes on two cores. Four jobs, each a module-scoped fixt
   checkpoint (same host: pid watched; simulated other host: heartbeat only), and a retry from
   the cache the killed leader filled.
 * ``shared_home`` (two torchrun jobs at once on one ``HF_HOME``): both load the same repos; one
-  of them also runs a download longer than its process group's timeout, three loading threads
-  per rank, and 20 loads in a row watching file descriptors, threads and RSS.
-* in-process checks of what patchload reads from the store and of the files it creates.
+  of them also runs a download longer than its process group's timeout and three loading
+  threads per rank.
+* ``four_ranks`` (4 plain ranks): a disk full (``ENOSPC``) under the leader, on a real small
+  tmpfs where mounting is allowed and injected into the leader's writes everywhere, then a load
+  into the same cache once there is room; 50 loads in a row watching file descriptors, memfds,
+  threads and RSS; the collective transport with a follower, then the leader, SIGKILLed
+  mid-broadcast.
+* in-process checks of what patchload reads from the store and of the files it creates, and
+  (as root) of what another user can reach of them.
 """
 
 from __future__ import annotations
