@@ -7,7 +7,8 @@ Coordination never uses collectives on the user's process group: it goes through
    store at ``MASTER_ADDR:MASTER_PORT``: there before and after the user's ``init_process_group``;
 2. the default process group's store, once ``init_process_group`` ran;
 3. a ``FileStore`` in a node-local, per-user directory: downloads are then coordinated inside one
-   node only.
+   node only. Every process that opens it counts itself in; at exit, the last one out removes
+   the file (a killed process never leaves, so its job's file stays).
 
 Every key is namespaced with a ``PrefixStore`` naming the job (run id and restart count), so a
 restarted job never sees the keys of the attempt before.
@@ -106,6 +107,19 @@ def _namespace() -> str:
     return hashlib.sha1(f"{_job_id()}|{master}".encode()).hexdigest()[:16]
 
 
+_USERS_KEY: Final = "patchload-users"
+_EXITED_KEY: Final = "patchload-exited"
+
+
+def _leave_file_store(base: Store, path: Path) -> None:
+    """At exit: count this process out of the node-local store; the last one removes its file."""
+    try:
+        if base.add(_EXITED_KEY, 1) >= base.add(_USERS_KEY, 0):
+            path.unlink(missing_ok=True)
+    except Exception as err:  # noqa: BLE001 - at exit; the file is only left behind
+        logger.debug("leaving the node-local store %s failed: %s", path, err)
+
+
 def _make(kind: str) -> JobStore:
     import torch.distributed as dist
 
@@ -117,6 +131,8 @@ def _make(kind: str) -> JobStore:
     else:
         path = private_dir() / f"store-{_namespace()}"
         base = dist.FileStore(str(path), -1)
+        base.add(_USERS_KEY, 1)
+        atexit.register(_leave_file_store, base, path)
         logger.warning("no job-wide store (not under torchrun and no process group yet): "
                        "coordinating downloads inside this node only, through %s", path)
     return JobStore(dist.PrefixStore(f"patchload/{_namespace()}/", base), kind, threading.RLock())

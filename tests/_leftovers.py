@@ -8,8 +8,8 @@ Checked once, after the last test (``conftest.py::suite_leaves_nothing_behind``)
   size; every snapshot link points at an existing blob. A blob a test damaged on purpose carries
   a ``<blob>.damaged-on-purpose`` file next to it and is skipped.
 * the pytest process holds no patchload memfd (fd or mapping) and runs no patchload thread;
-* no rank process is left running; no new file is left in patchload's private directory, and no
-  scope marker (``.patchload-scope-*``) in any cache.
+* no rank process is left running; no file is left in the rank processes' private directory
+  (under the suite's own ``TMPDIR``), and no scope marker (``.patchload-scope-*``) in any cache.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
-import tempfile
 import threading
 from pathlib import Path
 
@@ -55,10 +54,10 @@ def cache_problems(root: Path) -> list[str]:
     return problems
 
 
-def private_files() -> set[str]:
-    """The entries of patchload's private directory (``/tmp/patchload-<uid>``), if it exists."""
-    path = Path(tempfile.gettempdir()) / f"patchload-{os.getuid()}"
-    return {str(p) for p in path.iterdir()} if path.is_dir() else set()
+def private_files(tmp: Path) -> list[str]:
+    """The entries of patchload's private directory under ``tmp`` (a ``TMPDIR``), if any."""
+    path = tmp / f"patchload-{os.getuid()}"
+    return sorted(str(p) for p in path.iterdir()) if path.is_dir() else []
 
 
 def process_leftovers() -> list[str]:

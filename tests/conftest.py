@@ -9,7 +9,9 @@ it ran.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +44,25 @@ MISSING = "err/does-not-exist"
 
 @pytest.fixture(scope="session", autouse=True)
 def suite_leaves_nothing_behind(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """After the last test: the caches hold what the hub served, and nothing of patchload's is
-    left (memfds, threads, rank processes, private files, scope markers); see _leftovers.py."""
-    private_before = _leftovers.private_files()
-    yield
+    """Give the suite's rank processes a temporary directory of their own (``TMPDIR``: so
+    patchload's private directory is the suite's, not shared with anything else running on the
+    machine); after the last test, check that the caches hold what the hub served and nothing of
+    patchload's is left (memfds, threads, rank processes, private files, scope markers); see
+    _leftovers.py."""
     root = tmp_path_factory.getbasetemp()
+    tempfile.gettempdir()  # this process keeps the machine's: pinned before TMPDIR changes
+    ranks_tmp = root / "ranks-tmp"
+    ranks_tmp.mkdir()
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(ranks_tmp)
+    yield
+    if previous is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = previous
     problems = _leftovers.cache_problems(root) + _leftovers.process_leftovers()
-    problems += [f"left in the private directory: {p}"
-                 for p in sorted(_leftovers.private_files() - private_before)]
+    problems += [f"left in patchload's private directory: {p}"
+                 for p in _leftovers.private_files(ranks_tmp)]
     problems += [f"scope marker left: {p}" for p in _leftovers.scope_markers(root)]
     print(f"\nsuite_leaves_nothing_behind: checked the caches under {root}: "
           f"{len(problems)} problem(s)")

@@ -645,6 +645,46 @@ def test_fifty_loads_in_a_row_with_four_ranks_release_what_they_take(
 
 
 
+_FILE_STORE_USER = """
+import sys
+from patchload._store import job_store
+
+store = job_store()
+with store.lock:
+    store.store.set("hello", "1")
+print(store.kind, flush=True)
+sys.stdin.read()  # exits when the test closes stdin
+"""
+
+
+@pytest.mark.timeout(120)
+def test_node_local_store_file_is_removed_by_the_last_process_out(tmp_path: Path) -> None:
+    """Without a launcher store, ranks share a FileStore in patchload's private directory; it
+    outlives the first rank to exit and goes with the last."""
+    from _launch import job_env
+
+    env = job_env("http://127.0.0.1:9", tmp_path / "hf", tmp_path / "out",
+                  TMPDIR=str(tmp_path), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, "-c", _FILE_STORE_USER], text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+             for r in range(2)]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["file", "file"]  # type: ignore
+        private = tmp_path / f"patchload-{os.getuid()}"
+        (store_file,) = private.iterdir()
+        for i, proc in enumerate(procs):
+            proc.communicate("", timeout=60)
+            assert proc.returncode == 0
+            assert store_file.exists() == (i == 0), f"after {i + 1} of 2 exited"
+        assert not any(private.iterdir())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 # --- security ---------------------------------------------------------------------------------
 
 def _sources() -> list[Path]:
