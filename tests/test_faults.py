@@ -37,9 +37,11 @@ import json
 import os
 import select
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -216,9 +218,12 @@ def _mount_small_tmpfs(path: Path) -> str | None:
     if os.geteuid() != 0:
         return "not root: cannot mount a small tmpfs (the injected ENOSPC case still runs)"
     path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0755",
-                           "tmpfs", str(path)], capture_output=True, text=True, timeout=30,
-                          check=False)
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0755",
+                               "tmpfs", str(path)], capture_output=True, text=True, timeout=30,
+                              check=False)
+    except OSError as err:  # no mount(8) here
+        return f"cannot run mount ({err}): the injected ENOSPC case runs"
     if done.returncode != 0:
         return f"mount -t tmpfs failed ({done.stderr.strip()}): the injected ENOSPC case runs"
     return None
@@ -827,14 +832,28 @@ def _in_child_as(uid: int, fn: Callable[[int], dict[str, Any]], *, hold: bool = 
     os.close(report_w)
     os.close(hold_r)
     ready, _, _ = select.select([report_r], [], [], 60)
-    assert ready, f"child {pid} (uid {uid}) did not report within 60 s"
+    if not ready:
+        os.close(hold_w)
+        _reap(pid, 0.0)
+        pytest.fail(f"child {pid} (uid {uid}) did not report within 60 s")
     with os.fdopen(report_r) as f:
         report = json.loads(f.readline())
     if not hold:
         os.close(hold_w)
-        os.waitpid(pid, 0)
+        _reap(pid)
     assert "crash" not in report, report
     return pid, report, hold_w if hold else None
+
+
+def _reap(pid: int, within_s: float = 30.0) -> None:
+    """Wait for child ``pid`` to exit, SIGKILLing it after ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.02)
 
 
 def _errno_of(fn: Callable[[], Any]) -> str:
@@ -926,6 +945,6 @@ def test_another_user_cannot_reach_blobs_or_private_files(tmp_path: Path) -> Non
             assert shm.attach(descriptor)[0].equal(expected)
         finally:
             os.close(release)  # type: ignore[arg-type]
-            os.waitpid(victim_pid, 0)
+            _reap(victim_pid)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
