@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from _launch import WORKERS, Job, diff_fingerprints, free_port, gets_per_file, job_env, \
-    run_processes
+    request_signature, run_processes
 from patchload.testing import LoopbackHub
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -148,3 +148,105 @@ def test_accelerate_launch_remote_code_and_main_process_first(
         _check_coordinated(job, step, nodes=nodes, repo=repo, files=LLAMA_FILES, store="agent")
         for rank, report in job.ranks.items():
             assert report["steps"][step]["topology"]["launcher"] == "process_group", rank
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 30)
+def test_deepspeed_launcher_file_store_and_zero3_steps_aside(
+        hub: LoopbackHub, repos: None, barrier_store: Any, tmp_path: Path) -> None:
+    """The deepspeed launcher (3 ranks: ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_SIZE``,
+    no torchrun agent): before any process group, loads coordinate through the node-local
+    ``FileStore``. Then ZeRO-3 (``HfDeepSpeedConfig``, stage 3): patchload steps aside: one rank
+    downloads, every rank reads its own weights, one INFO line says why."""
+    cmd = [_tool("deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()), WORKER,
+           "--tag", "ds", "--steps", "load,zero3"]
+    job = run_processes(hub, [cmd], [_env(hub, tmp_path, barrier_store)],
+                        out_dir=tmp_path / "out", timeout_s=JOB_TIMEOUT_S).check_ok()
+    _check_topologies(job, _one_node(3, "deepspeed"))
+    _check_coordinated(job, "load", nodes={0: [0, 1, 2]}, repo="launch/ds", files=LLAMA_FILES,
+                       store="file")
+    # Every rank runs the load at once; each hub call inside is led by whichever rank claims it
+    # first: every request is made once in all.
+    window = job.window("zero3")
+    signature = request_signature(window)
+    assert signature and set(signature.values()) == {1}, signature
+    assert {name for _, name in gets_per_file(window)} >= set(LLAMA_FILES), signature
+    want = {n: t["sha256"] for n, t in job.ranks[0]["steps"]["load"]["reference"]["tensors"]
+            .items() if t["kind"] == "param"}
+    for rank, report in job.ranks.items():
+        record = report["steps"]["zero3"]
+        assert record["store"] == "process_group", rank
+        assert record["checkpoint"]["opens"] >= 1, (rank, record["checkpoint"])
+        assert [line for line in record["log"] if "DeepSpeed ZeRO-3 is enabled" in line], \
+            (rank, record["log"])
+        assert len(record["log"]) == 1, (rank, record["log"])  # nothing shared, no fallback
+        got = {n: t["sha256"] for n, t in record["fingerprint"]["tensors"].items()
+               if t["kind"] == "param"}
+        assert got == want, rank
+
+
+def _slurm_env(base: dict[str, str], rank: int, *, nodes: int, per_node: int,
+               job_id: str) -> dict[str, str]:
+    """What ``srun -N nodes -n nodes*per_node`` gives task ``rank`` (no --ntasks-per-node)."""
+    layout = f"{per_node}(x{nodes})"
+    return {**base, "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(rank // per_node),
+            "SLURM_NTASKS": str(nodes * per_node), "SLURM_STEP_NUM_TASKS": str(nodes * per_node),
+            "SLURM_NNODES": str(nodes), "SLURM_JOB_NUM_NODES": str(nodes),
+            "SLURM_TASKS_PER_NODE": layout, "SLURM_STEP_TASKS_PER_NODE": layout,
+            "SLURM_NODELIST": f"sim[0-{nodes - 1}]"}
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 30)
+def test_srun_two_simulated_nodes(hub: LoopbackHub, repos: None, barrier_store: Any,
+                                  tmp_path: Path) -> None:
+    """SLURM ``srun`` (simulated: 2 nodes x 2 tasks started by hand with ``SLURM_*``; each node
+    with its own ``HF_HOME`` and temp directory, so its own ``FileStore``): the topology per
+    rank; each node fetches every file (remote code included) once, through one rank."""
+    cmds, envs = [], []
+    for rank in range(4):
+        node = rank // 2
+        env = job_env(hub.endpoint, tmp_path / f"hf-{node}", tmp_path / "out",
+                      PLT_STORE_PORT=str(barrier_store.port), TMPDIR=str(tmp_path / f"tmp-{node}"))
+        (tmp_path / f"tmp-{node}").mkdir(exist_ok=True)
+        envs.append(_slurm_env(env, rank, nodes=2, per_node=2, job_id=f"{barrier_store.port}"))
+        cmds.append([sys.executable, WORKER, "--tag", "slurm", "--steps", "load,remote"])
+    job = run_processes(hub, cmds, envs, out_dir=tmp_path / "out",
+                        timeout_s=JOB_TIMEOUT_S).check_ok()
+    _check_topologies(job, {r: {"rank": r, "world_size": 4, "local_rank": r % 2,
+                                "local_world_size": 2, "node": r // 2, "launcher": "slurm"}
+                            for r in range(4)})
+    nodes = {0: [0, 1], 1: [2, 3]}
+    _check_coordinated(job, "load", nodes=nodes, repo="launch/slurm", files=LLAMA_FILES,
+                       store="file")
+    _check_coordinated(job, "remote", nodes=nodes, repo="remote/slurm",
+                       files=("modeling_remote_toy.py", "model.safetensors"), store="file")
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 30)
+def test_mpirun_and_mp_spawn(hub: LoopbackHub, repos: None, barrier_store: Any,
+                             tmp_path: Path) -> None:
+    """Open MPI ``mpirun`` (simulated: 3 ranks started by hand with ``OMPI_COMM_WORLD_*``; a
+    node-local ``FileStore``) and ``torch.multiprocessing.spawn`` of 3 ranks that initialise a
+    gloo process group themselves before loading (its store), run side by side."""
+    mpi_root, spawn_root = tmp_path / "mpi", tmp_path / "spawn"
+    mpi_env = _env(hub, mpi_root, barrier_store)
+    cmds, envs = [], []
+    for rank in range(3):
+        envs.append({**mpi_env, "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "3",
+                     "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+                     "OMPI_COMM_WORLD_NODE_RANK": str(rank),
+                     "OMPI_MCA_ess_base_jobid": str(barrier_store.port)})
+        cmds.append([sys.executable, WORKER, "--tag", "mpi", "--steps", "load"])
+    mpi = run_processes(hub, cmds, envs, out_dir=mpi_root / "out",
+                        timeout_s=JOB_TIMEOUT_S).check_ok()
+    _check_topologies(mpi, _one_node(3, "mpi"))
+    _check_coordinated(mpi, "load", nodes={0: [0, 1, 2]}, repo="launch/mpi", files=LLAMA_FILES,
+                       store="file")
+
+    env = _env(hub, spawn_root, barrier_store, PLT_PG_PORT=str(free_port()))
+    spawn = run_processes(hub, [[sys.executable, WORKER, "--tag", "spawn", "--steps", "load",
+                                 "--spawn", "3"]], [env], out_dir=spawn_root / "out",
+                          timeout_s=JOB_TIMEOUT_S).check_ok()
+    _check_topologies(spawn, _one_node(3, "process_group"))
+    _check_coordinated(spawn, "load", nodes={0: [0, 1, 2]}, repo="launch/spawn",
+                       files=LLAMA_FILES, store="process_group")

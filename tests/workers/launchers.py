@@ -180,6 +180,9 @@ def _steps(args: argparse.Namespace, report: dict[str, Any]) -> None:
         import torch.distributed as dist
         from transformers.integrations import HfDeepSpeedConfig
 
+        # deepspeed's CPU accelerator would JIT-compile an optional C++ shared-memory allreduce
+        # at init (a compiler and minutes); plain torch collectives do the same job here.
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend="gloo")
         keep = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1,
