@@ -225,28 +225,28 @@ def test_srun_two_simulated_nodes(hub: LoopbackHub, repos: None, barrier_store: 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
 def test_mpirun_and_mp_spawn(hub: LoopbackHub, repos: None, barrier_store: Any,
                              tmp_path: Path) -> None:
-    """Open MPI ``mpirun`` (simulated: 3 ranks started by hand with ``OMPI_COMM_WORLD_*``; a
-    node-local ``FileStore``) and ``torch.multiprocessing.spawn`` of 3 ranks that initialise a
-    gloo process group themselves before loading (its store), run side by side."""
+    """Open MPI ``mpirun`` (simulated: 2 ranks started by hand with ``OMPI_COMM_WORLD_*``; a
+    node-local ``FileStore``), then ``torch.multiprocessing.spawn`` of 2 ranks that initialise a
+    gloo process group themselves before loading (its store). Two ranks each: the budget."""
     mpi_root, spawn_root = tmp_path / "mpi", tmp_path / "spawn"
     mpi_env = _env(hub, mpi_root, barrier_store)
     cmds, envs = [], []
-    for rank in range(3):
-        envs.append({**mpi_env, "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "3",
-                     "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+    for rank in range(2):
+        envs.append({**mpi_env, "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                     "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
                      "OMPI_COMM_WORLD_NODE_RANK": str(rank),
                      "OMPI_MCA_ess_base_jobid": str(barrier_store.port)})
         cmds.append([sys.executable, WORKER, "--tag", "mpi", "--steps", "load"])
     mpi = run_processes(hub, cmds, envs, out_dir=mpi_root / "out",
                         timeout_s=JOB_TIMEOUT_S).check_ok()
-    _check_topologies(mpi, _one_node(3, "mpi"))
-    _check_coordinated(mpi, "load", nodes={0: [0, 1, 2]}, repo="launch/mpi", files=LLAMA_FILES,
+    _check_topologies(mpi, _one_node(2, "mpi"))
+    _check_coordinated(mpi, "load", nodes={0: [0, 1]}, repo="launch/mpi", files=LLAMA_FILES,
                        store="file")
 
     env = _env(hub, spawn_root, barrier_store, PLT_PG_PORT=str(free_port()))
     spawn = run_processes(hub, [[sys.executable, WORKER, "--tag", "spawn", "--steps", "load",
-                                 "--spawn", "3"]], [env], out_dir=spawn_root / "out",
+                                 "--spawn", "2"]], [env], out_dir=spawn_root / "out",
                           timeout_s=JOB_TIMEOUT_S).check_ok()
-    _check_topologies(spawn, _one_node(3, "process_group"))
-    _check_coordinated(spawn, "load", nodes={0: [0, 1, 2]}, repo="launch/spawn",
+    _check_topologies(spawn, _one_node(2, "process_group"))
+    _check_coordinated(spawn, "load", nodes={0: [0, 1]}, repo="launch/spawn",
                        files=LLAMA_FILES, store="process_group")
