@@ -8,7 +8,8 @@ ModuleNotFoundError, SyntaxError).
 
 ``transformers.dynamic_module_utils.get_cached_module_file`` is therefore coordinated per node:
 the node's leader fetches the file and writes the module files; the other ranks wait for its
-outcome, then run the call from the cache and find the files complete. Every rank also holds a
+outcome, then run the call from the cache, find the files complete and forget the import
+system's cached directory listings before importing them. Every rank also holds a
 file lock in the modules cache while transformers writes there: it covers the calls made inside
 another coordinated call whose leader sits on another node (``PATCHLOAD_DOWNLOAD_SCOPE=job``),
 where the followers of one node would otherwise write at the same time.
@@ -17,6 +18,7 @@ where the followers of one node would otherwise write at the same time.
 from __future__ import annotations
 
 import functools
+import importlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,7 +49,12 @@ def _get_cached_module_file(wrapped: Callable[..., Any], instance: Any, args: tu
     @functools.wraps(wrapped)
     def locked(*args: Any, **kwargs: Any) -> Any:
         with _modules_lock():
-            return wrapped(*args, **kwargs)
+            path = wrapped(*args, **kwargs)
+        # transformers forgets the import system's directory listings only when this process
+        # wrote a file; another process's new module files would stay invisible wherever
+        # directory mtimes are coarse (ModuleNotFoundError).
+        importlib.invalidate_caches()
+        return path
 
     return coordinated("get_cached_module_file", locked, args, kwargs, scope="node",
                        what=f"get_cached_module_file({str(repo)!r}, {module_file!r})")
