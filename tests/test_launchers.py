@@ -112,7 +112,9 @@ LLAMA_FILES = ("config.json", "model.safetensors")
 def test_accelerate_launch_remote_code_and_main_process_first(
         hub: LoopbackHub, repos: None, barrier_store: Any, tmp_path: Path) -> None:
     """``accelerate launch`` (3 ranks, torchrun's agent store): a load; ``trust_remote_code``
-    with a cold cache (config, model, and ``get_class_from_dynamic_module`` called directly);
+    with a cold cache (config, model, and ``get_class_from_dynamic_module`` called directly,
+    with slow module-file copies: without patchload's per-node coordination of
+    ``get_cached_module_file`` the followers import a half-written file and fail);
     loads inside ``PartialState().main_process_first()`` and
     ``Accelerator().main_process_first()``: no deadlock, still coordinated."""
     port = free_port()

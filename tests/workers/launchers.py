@@ -28,6 +28,7 @@ import datetime
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,23 @@ class _Lines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
+
+
+class _SlowCopies:
+    """``shutil`` whose ``copyfile`` writes half the file, pauses 0.5 s, then writes the rest."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(shutil, name)
+
+    @staticmethod
+    def copyfile(src: Any, dst: Any, **kwargs: Any) -> Any:
+        data = Path(src).read_bytes()
+        with open(dst, "wb") as handle:
+            handle.write(data[: len(data) // 2])
+            handle.flush()
+            time.sleep(0.5)
+            handle.write(data[len(data) // 2:])
+        return dst
 
 
 def _gathered_fingerprint(model: Any) -> dict[str, Any]:
@@ -145,12 +163,16 @@ def _steps(args: argparse.Namespace, report: dict[str, Any]) -> None:
             config = AutoConfig.from_pretrained(repo, trust_remote_code=True)
         record["class"] = type(config).__name__
         load("remote", AutoModel, repo, trust_remote_code=True)
-        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+        from transformers import dynamic_module_utils
 
+        # Called directly, nothing but patchload orders the ranks' writes and reads of the
+        # modules cache; slow copies make a reader that does not wait see a half-written file.
+        dynamic_module_utils.shutil = _SlowCopies()
         with _common.step(report, "remote_direct", barrier) as record:
             record["store"] = job_store().kind
-            cls = get_class_from_dynamic_module("modeling_remote_toy.RemoteToyModel",
-                                                f"{repo}-direct")
+            cls = dynamic_module_utils.get_class_from_dynamic_module(
+                "modeling_remote_toy.RemoteToyModel", f"{repo}-direct")
+        dynamic_module_utils.shutil = shutil
         record["class"] = cls.__name__
     if "accelerate" in steps:
         from accelerate import Accelerator, PartialState
