@@ -11,7 +11,8 @@ to ``$PLT_OUT/rank-<rank>.json``. Steps are separated by a barrier over the test
 
 * ``load``: ``AutoModelForCausalLM`` of ``launch/<T>``.
 * ``remote``: ``AutoConfig`` then ``AutoModel`` of ``remote/<T>`` with ``trust_remote_code=True``,
-  then ``get_class_from_dynamic_module`` called directly on ``remote/<T>-direct``.
+  then ``get_class_from_dynamic_module`` called directly on ``remote/<T>-direct`` while
+  transformers' copies into its modules cache are slowed down (half, 0.5 s pause, rest).
 * ``accelerate``: loads wrapped in ``PartialState().main_process_first()`` and
   ``Accelerator().main_process_first()`` (accelerate initialises the process group).
 * ``zero3``: ``deepspeed.init_distributed`` (gloo), a ``HfDeepSpeedConfig`` with ZeRO stage 3,
