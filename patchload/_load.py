@@ -17,6 +17,7 @@ other than the CPU, quantized loads, tensor parallelism, GGUF files, a user ``st
 from __future__ import annotations
 
 import atexit
+import contextvars
 import ctypes
 import logging
 import os
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 _UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size",
                          "distributed_config", "device_mesh", "state_dict", "load_in_8bit",
                          "load_in_4bit", "offload_folder", "key_mapping")
+# Those under which building the model runs collectives on every rank: the call cannot run on a
+# leader first (its collectives would wait for followers that wait for it).
+_COLLECTIVE_KWARGS: Final = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
 _CPU_MAPS: Final = (None, "cpu", {"": "cpu"})
 _EXIT_WAIT_S: Final = 60.0
 _TRIM_EVERY_BYTES: Final = 16 * 2**20
@@ -54,24 +58,32 @@ _LATE_S: Final = 5.0  # at exit, how long to also wait for ranks that have not r
 _OPEN_SHARES: list[tuple[Call, dict[str, Any]]] = []
 _OPEN_SHARES_LOCK = threading.Lock()
 _EXIT_HOOKED = False
+# True inside a from_pretrained that runs on every rank at once (collective construction).
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("patchload_alone", default=False)
 
 
-def _step_aside_reason(kwargs: dict[str, Any]) -> str | None:
-    if not _state.config().broadcast:
-        return "PATCHLOAD_BROADCAST=0"
+def _step_aside_reason(kwargs: dict[str, Any]) -> tuple[str | None, bool]:
+    """Why weights are not shared for this call (None: they are), and whether building the
+    model runs collectives (then every rank runs the call at once; only its downloads are
+    coordinated, one hub call at a time)."""
     try:
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
     except ImportError:  # transformers moved it: ZeRO-3 cannot be on
         is_deepspeed_zero3_enabled = None
     if is_deepspeed_zero3_enabled is not None and is_deepspeed_zero3_enabled():
-        return "DeepSpeed ZeRO-3 is enabled (model construction runs collectives)"
+        return "DeepSpeed ZeRO-3 is enabled (model construction runs collectives)", True
+    for name in _COLLECTIVE_KWARGS:
+        if kwargs.get(name) is not None:
+            return f"{name} is set (model construction runs collectives)", True
+    if not _state.config().broadcast:
+        return "PATCHLOAD_BROADCAST=0", False
     for name in _UNSAFE_KWARGS:
         if kwargs.get(name) is not None:
-            return f"{name} is set"
+            return f"{name} is set", False
     device_map = kwargs.get("device_map")
     if str(device_map) not in {str(m) for m in _CPU_MAPS}:
-        return f"device_map={device_map!r} is not the CPU"
-    return None
+        return f"device_map={device_map!r} is not the CPU", False
+    return None, False
 
 
 def _model_of(result: Any) -> PreTrainedModel | None:
@@ -327,10 +339,18 @@ def _from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
         return coordinated(name, wrapped, args, kwargs, what=what)
     if _OPEN_SHARES:
         _release_finished()
-    reason = _step_aside_reason(kwargs)
+    if _ALONE.get():  # the model class's call inside an Auto call that stepped aside
+        return wrapped(*args, **kwargs)
+    reason, collective = _step_aside_reason(kwargs)
     if reason is not None:
         logger.info("%s: weights not shared (%s): downloads coordinated, each rank loads its own",
                     what, reason)
+        if collective:  # every rank runs the call at once; each hub call inside is coordinated
+            token = _ALONE.set(True)
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                _ALONE.reset(token)
         return coordinated(name, wrapped, args, kwargs, what=what)
     if _state.config().transport == "collective":
         return coordinated(name, wrapped, args, kwargs, what=what, scope="job", share=_share,

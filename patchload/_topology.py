@@ -1,10 +1,13 @@
 """Where this process sits in the job: rank, world size, local rank, node. No I/O, no waiting.
 
 Read from an initialized default process group when there is one, else from the launcher's
-variables: torchrun / accelerate / the deepspeed launcher (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``), SLURM (``SLURM_PROCID``, ``SLURM_NTASKS``,
-``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS_PER_NODE``) and Open MPI
-(``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``).
+variables: torchrun / accelerate (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``), the deepspeed launcher (the same, but ``LOCAL_SIZE`` and ``CROSS_RANK`` for the
+node), SLURM ``srun`` (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` / ``SLURM_NTASKS``,
+``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_NTASKS_PER_NODE`` /
+``SLURM_TASKS_PER_NODE``) and Open MPI (``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``,
+``_LOCAL_SIZE``). A launcher whose variables are all set wins over one with only some of them set
+(deepspeed's ranks have ``RANK`` but not ``LOCAL_WORLD_SIZE``).
 """
 
 from __future__ import annotations
@@ -16,13 +19,19 @@ from typing import Final, Mapping
 
 __all__ = ["Topology", "current_topology"]
 
-# (launcher, rank, world size, local rank, local world size, node index) variable names.
+# (launcher, rank, world size, local rank, local world size, node index): the variables to read
+# for each, the first one set wins.
 _LAUNCHERS: Final = (
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
-     "SLURM_NODEID"),
-    ("mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE", None),
+    ("torchrun", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",),
+     ("GROUP_RANK",)),
+    ("deepspeed", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",), ("LOCAL_SIZE",), ("CROSS_RANK",)),
+    # srun's step values first: SLURM_NTASKS and SLURM_TASKS_PER_NODE describe the allocation,
+    # and SLURM_NTASKS_PER_NODE is only set when --ntasks-per-node was given.
+    ("slurm", ("SLURM_PROCID",), ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), ("SLURM_LOCALID",),
+     ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
+     ("SLURM_NODEID",)),
+    ("mpi", ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",), ("OMPI_COMM_WORLD_LOCAL_RANK",),
+     ("OMPI_COMM_WORLD_LOCAL_SIZE",), ()),
 )
 
 
@@ -74,29 +83,34 @@ class Topology:
                 f"(from {self.launcher})")
 
 
-def _int(env: Mapping[str, str], name: str | None) -> int | None:
-    if name is None:
-        return None
-    raw = env.get(name, "")
-    try:
-        return int(raw.split("(")[0].split(",")[0])  # SLURM_NTASKS_PER_NODE may read "4(x2)"
-    except ValueError:
-        return None
+def _int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        raw = env.get(name, "")
+        try:
+            return int(raw.split("(")[0].split(",")[0])  # SLURM's "4(x2)": 4 tasks on 2 nodes
+        except ValueError:
+            continue
+    return None
 
 
 def _from_env(env: Mapping[str, str]) -> Topology | None:
+    partial = None
     for launcher, *names in _LAUNCHERS:
         rank, world, local_rank, local_world, node = (_int(env, n) for n in names)
         if rank is None or world is None:
             continue
+        complete = None not in (local_rank, local_world) and (node is not None or not names[4])
         if local_world is None or local_world < 1:
             local_world = world  # one node unless the launcher says otherwise
         if local_rank is None:
             local_rank = rank % local_world
         if node is None:
             node = rank // local_world
-        return Topology(rank, world, local_rank, local_world, node, launcher)
-    return None
+        found = Topology(rank, world, local_rank, local_world, node, launcher)
+        if complete:
+            return found
+        partial = partial or found
+    return partial
 
 
 def _from_process_group(env: Mapping[str, str]) -> Topology | None:

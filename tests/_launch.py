@@ -312,3 +312,21 @@ def check_same_error_everywhere(job: Job, step: str, within_s: float = 10.0) -> 
             (step, rank, error["isinstance"], original["isinstance"])
         assert error["t_raised"] - original["t_raised"] < within_s, (step, rank, error, original)
     return errors
+
+
+def run_processes(hub: LoopbackHub, cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
+                  *, out_dir: Path, timeout_s: float) -> Job:
+    """Start one process per command (each with its environment; a launcher, or a rank started
+    by hand with a launcher's variables), join them with a deadline and collect the reports in
+    ``out_dir`` and the requests that arrived meanwhile."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    start = time.monotonic()
+    procs, logs = [], []
+    for i, (cmd, env) in enumerate(zip(cmds, envs)):
+        log = out_dir / f"process-{i}.log"
+        procs.append(_spawn(cmd, env, log, out_dir))
+        logs.append(log)
+    returncodes, outputs = _wait_all(procs, logs, start + timeout_s)
+    return Job(returncodes, outputs, time.monotonic() - start, _read_reports(out_dir),
+               _requests_since(hub, t0), out_dir)

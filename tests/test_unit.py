@@ -62,6 +62,19 @@ def test_bad_config_fails_the_import():
     ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
       "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
      (3, 4, 1, 2, 1, "mpi")),
+    # the deepspeed launcher: torchrun's rank names, its own for the node
+    ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_SIZE": "4", "CROSS_RANK": "1",
+      "CROSS_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, (5, 8, 1, 4, 1, "deepspeed")),
+    # srun without --ntasks-per-node: the step's layout
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
+      "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+      "SLURM_NODEID": "1"}, (3, 4, 1, 2, 1, "slurm")),
+    # ranks started by hand with RANK and WORLD_SIZE only: one node
+    ({"RANK": "2", "WORLD_SIZE": "3"}, (2, 3, 2, 3, 0, "torchrun")),
+    # torchrun inside a SLURM allocation: torchrun's variables describe the process
+    ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+      "GROUP_RANK": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+      "SLURM_NODEID": "1"}, (5, 8, 1, 4, 1, "torchrun")),
 ])
 def test_topology_from_launcher_variables(env, expected):
     t = current_topology(env)

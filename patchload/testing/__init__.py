@@ -4,7 +4,7 @@
   HTTP on ``127.0.0.1``, records every request (with the client's rank) and injects
   :class:`Fault` s. Stdlib only.
 * :mod:`patchload.testing.models`: factories that write tiny, deterministic model repos
-  (``tiny_llama``, ``tiny_gpt2``, ``tiny_bert``, ``tiny_t5``, ``tiny_custom``, ``minilm``).
+  (``tiny_llama``, ``tiny_gpt2``, ``tiny_bert``, ``tiny_t5``, ``tiny_custom``, ``tiny_remote_code``, ``minilm``).
   They import torch and transformers.
 
 Every name is re-exported lazily (module ``__getattr__``), so importing ``patchload.testing``
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         tiny_custom,
         tiny_gpt2,
         tiny_llama,
+        tiny_remote_code,
         tiny_t5,
         tiny_tokenizer,
     )
@@ -43,6 +44,7 @@ __all__ = [
     "tiny_custom",
     "tiny_gpt2",
     "tiny_llama",
+    "tiny_remote_code",
     "tiny_t5",
     "tiny_tokenizer",
 ]

@@ -49,6 +49,7 @@ __all__ = [
     "tiny_custom",
     "tiny_gpt2",
     "tiny_llama",
+    "tiny_remote_code",
     "tiny_t5",
     "tiny_tokenizer",
 ]
@@ -306,4 +307,79 @@ def minilm(folder: str | Path) -> Path:
     out = Path(folder)
     shutil.copytree(source, out, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return out
+
+
+_REMOTE_CONFIGURATION: Final = '''\
+from transformers import PretrainedConfig
+
+
+class RemoteToyConfig(PretrainedConfig):
+    model_type = "patchload-remote-toy"
+
+    def __init__(self, vocab_size=64, hidden_size=16, **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        super().__init__(**kwargs)
+'''
+
+_REMOTE_MODELING: Final = '''\
+from torch import nn
+from transformers import PreTrainedModel
+
+from .configuration_remote_toy import RemoteToyConfig
+
+
+class RemoteToyModel(PreTrainedModel):
+    config_class = RemoteToyConfig
+    base_model_prefix = "remote_toy"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.post_init()
+
+    def forward(self, input_ids):
+        return self.proj(self.embed(input_ids))
+'''
+
+
+def tiny_remote_code(folder: str | Path, *, vocab_size: int = 64, hidden_size: int = 16,
+                     seed: int = 0) -> Path:
+    """Writes a repo whose model lives in its own code (``trust_remote_code=True``).
+
+    ``configuration_remote_toy.py`` (``RemoteToyConfig``) and ``modeling_remote_toy.py``
+    (``RemoteToyModel``: ``embed``, ``proj``; imports the configuration relatively), wired up by
+    ``auto_map`` in ``config.json`` for ``AutoConfig`` and ``AutoModel``, and float32 weights in
+    ``model.safetensors``. The classes are never imported here: only the files are written.
+
+    Returns:
+        ``Path(folder)``.
+    """
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "configuration_remote_toy.py").write_text(_REMOTE_CONFIGURATION)
+    (out / "modeling_remote_toy.py").write_text(_REMOTE_MODELING)
+    config = {
+        "architectures": ["RemoteToyModel"],
+        "auto_map": {"AutoConfig": "configuration_remote_toy.RemoteToyConfig",
+                     "AutoModel": "modeling_remote_toy.RemoteToyModel"},
+        "model_type": "patchload-remote-toy",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "dtype": "float32",
+        "transformers_version": transformers.__version__,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    with _seeded(seed):
+        tensors = {"embed.weight": torch.randn(vocab_size, hidden_size),
+                   "proj.weight": torch.randn(hidden_size, hidden_size),
+                   "proj.bias": torch.randn(hidden_size)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
