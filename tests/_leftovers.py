@@ -76,8 +76,14 @@ def process_leftovers() -> list[str]:
     found += [f"thread {t.name}" for t in threading.enumerate() if "patchload" in t.name]
     found += [f"child process {p.pid}: {' '.join(p.cmdline())[:200]}"
               for p in psutil.Process().children(recursive=True) if p.is_running()
-              and p.status() != psutil.STATUS_ZOMBIE]
+              and p.status() != psutil.STATUS_ZOMBIE and not _resource_tracker(p)]
     return found
+
+
+def _resource_tracker(process: psutil.Process) -> bool:
+    # multiprocessing's helper, started once by whatever in this process first needs it (a
+    # library imported by a test); it lives as long as this process by design.
+    return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
 
 
 def scope_markers(root: Path) -> list[str]:
