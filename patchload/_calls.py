@@ -98,11 +98,11 @@ def _cache_miss(err: BaseException) -> bool:
 
 
 def _offline_or_online(wrapped: Callable[..., Any], args: tuple[Any, ...],
-                       kwargs: dict[str, Any], call: _coordinate.Call) -> Any:
+                       kwargs: dict[str, Any], call: _coordinate.Call, offline_kwarg: bool) -> Any:
     """Follower: rerun the call from the cache; if the cache lacks what the leader fetched (it
     is not the cache the leader wrote to), warn and make the call online."""
     try:
-        return wrapped(*args, **_offline(kwargs))
+        return wrapped(*args, **(_offline(kwargs) if offline_kwarg else kwargs))
     except OSError as err:
         if not _cache_miss(err):
             raise
@@ -116,7 +116,8 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: dict[str, Any], *, what: str, scope: str | None = None,
                 share: Callable[[Any, _coordinate.Call, Mode],
                                 tuple[dict[str, Any], Callable[[], None] | None]] | None = None,
-                settle: Callable[[Any, Mode], Any] | None = None) -> Any:
+                settle: Callable[[Any, Mode], Any] | None = None,
+                offline_kwarg: bool = True) -> Any:
     """Run ``wrapped(*args, **kwargs)`` leader-first across the ranks of its scope.
 
     Not collective: no rank waits for ranks that do not make the same call.
@@ -131,6 +132,9 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             ``used`` nested wrappers filled); returns extra payload for followers (weights) and a
             step to run once the payload is published (or None).
         settle: run by a follower on its result before returning it.
+        offline_kwarg: a follower reruns the call with ``local_files_only=True``. False for
+            calls that reject it (transformers 5.2x ``load_adapter`` passes it on to a config
+            that raises TypeError); their nested hub calls are still made offline.
 
     Returns:
         The original call's result on this rank.
@@ -172,7 +176,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         mode = Mode(lead=False, scope=scope, payload=payload, loads_model=share is not None)
         token = _MODE.set(mode)
         try:
-            result = _offline_or_online(wrapped, args, kwargs, call)
+            result = _offline_or_online(wrapped, args, kwargs, call, offline_kwarg)
         finally:
             _MODE.reset(token)
         return settle(result, mode) if settle is not None else result
