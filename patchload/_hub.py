@@ -5,11 +5,12 @@ Also ``sentence_transformers``' model constructors (``SentenceTransformer``, ``C
 ``model_info`` call, so their model card does not name a base model. Likewise diffusers'
 ``DiffusionPipeline.from_pretrained`` / ``download`` and scheduler ``from_pretrained`` (the leader
 makes the one snapshot download; followers skip ``model_info``), and peft's
-``PeftModel.from_pretrained``, ``load_adapter`` (also transformers' ``PeftAdapterMixin``) and
-``PeftConfig.from_pretrained``.
+``PeftModel.from_pretrained``, ``load_adapter`` (also transformers' ``PeftAdapterMixin``),
+``AutoPeftModel*.from_pretrained`` and ``PeftConfig.from_pretrained``.
 
 ``huggingface_hub.file_exists`` (peft asks it before downloading adapter weights, even with
-``local_files_only=True``) is answered from the cache inside a follower, without a request.
+``local_files_only=True``) is answered from the cache inside a follower, without a request; a
+``file_exists`` outside any patched call is not coordinated (every rank asks the hub).
 
 ``huggingface_hub.hf_hub_download`` and ``snapshot_download`` are wrapped where they are defined
 and rebound wherever a module already imported them by name (``transformers.utils.hub``,
@@ -54,6 +55,9 @@ _ENTRY_POINTS: Final = (
     ("peft.config", "PeftConfigMixin.from_pretrained"),
     ("peft.peft_model", "PeftModel.from_pretrained"),
     ("peft.peft_model", "PeftModel.load_adapter"),
+    # The adapter config, the base model (its weights shared on their own), a file_exists
+    # check for a tokenizer, then PeftModel.from_pretrained.
+    ("peft.auto", "_BaseAutoPeftModel.from_pretrained"),
 )
 # Entry points whose followers must not get local_files_only=True (see coordinated()).
 _REJECTING_OFFLINE_KWARG: Final = (

@@ -65,7 +65,8 @@ def _step_aside_reason(kwargs: dict[str, Any]) -> str | None:
     if is_deepspeed_zero3_enabled is not None and is_deepspeed_zero3_enabled():
         return "DeepSpeed ZeRO-3 is enabled (model construction runs collectives)"
     for name in _UNSAFE_KWARGS:
-        if kwargs.get(name) not in (None, False):  # diffusers passes use_flashpack=False
+        value = kwargs.get(name)
+        if value is not None and value is not False:  # diffusers passes use_flashpack=False
             return f"{name} is set"
     device_map = kwargs.get("device_map")
     if str(device_map) not in {str(m) for m in _CPU_MAPS}:

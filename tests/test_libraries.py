@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("diffusers", reason="diffusers is in the [test] extra")
 pytest.importorskip("peft", reason="peft is in the [test] extra")
 
-from _launch import Job, diff_fingerprints, gets_per_file, job_env, run_plain, run_torchrun  # noqa: E402
+from _launch import (Job, check_same_error_everywhere, diff_fingerprints,  # noqa: E402
+                     gets_per_file, job_env, run_plain, run_torchrun)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="torchrun jobs with /proc and memfd: Linux only")
@@ -36,10 +37,12 @@ STEP_REPOS = {
     "dit_pipeline": ("dif/dit-pipe",),
     "peft": ("org/llama-peft-base", "lora/a", "lora/b"),
     "hf_load_adapter": ("org/llama-peft-base2", "lora/c"),
+    "auto_peft": ("lora/d", "org/llama-peft-base"),
 }
+ERROR_STEPS = ("missing_pipeline", "missing_adapter")
 MODEL_STEPS = ("unet", "dit_bf16", "auto_vae")
 PIPELINE_STEPS = ("ddpm_pipeline", "dit_pipeline")
-PEFT_STEPS = ("peft", "hf_load_adapter")
+PEFT_STEPS = ("peft", "hf_load_adapter", "auto_peft")
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +57,10 @@ def library_hub(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     folders = {
         "dif/ddpm": ddpm, "dif/ddpm-pipe": ddpm, "dif/dit": dit, "dif/dit-pipe": dit,
         "org/llama-peft-base": llama, "org/llama-peft-base2": llama,
-        "lora/a": models.tiny_lora(root / "lora-a", llama, base_repo_id="org/llama", seed=1),
-        "lora/b": models.tiny_lora(root / "lora-b", llama, base_repo_id="org/llama", seed=2),
-        "lora/c": models.tiny_lora(root / "lora-c", llama, base_repo_id="org/llama", seed=3),
     }
+    for name, seed in (("a", 1), ("b", 2), ("c", 3), ("d", 4)):
+        folders[f"lora/{name}"] = models.tiny_lora(root / f"lora-{name}", llama, seed=seed,
+                                                   base_repo_id="org/llama-peft-base")
     for repo_id, folder in folders.items():
         hub.add_repo(repo_id, folder)
     return hub
@@ -81,7 +84,7 @@ def library_reference(library_hub: Any, tmp_path_factory: pytest.TempPathFactory
     report = job.ranks[0]
     assert report["installed"] is False
     for name, record in report["steps"].items():
-        assert "error" not in record, f"plain {name} failed: {record['error']}"
+        assert ("error" in record) == (name in ERROR_STEPS), f"plain {name}: {record}"
     return report
 
 
@@ -114,7 +117,7 @@ def test_every_rank_equals_plain_load(library_job: Job, library_reference: dict[
             assert diffs == [], f"rank {rank} {step} {name}:\n" + "\n".join(diffs)
         if step in PIPELINE_STEPS:
             assert record["components"] == want["components"], (rank, step)
-        if step in PEFT_STEPS:
+        if "adapters" in want:
             assert record["adapters"] == want["adapters"], (rank, step)
 
 
@@ -154,6 +157,19 @@ def test_cases_cover_what_they_claim(library_reference: dict[str, Any]) -> None:
     assert any(".lora_B.b." in n for n in peft_names)
     assert steps["peft"]["adapters"] == ["b", "default"]
     assert steps["hf_load_adapter"]["adapters"] == ["c"]
+    assert any(".lora_B.default." in n for n in steps["auto_peft"]["model"]["tensors"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("step", ERROR_STEPS)
+def test_leader_error_reaches_every_rank(library_job: Job, library_reference: dict[str, Any],
+                                         step: str) -> None:
+    """A missing pipeline repo or adapter: every rank raises the plain call's exception class
+    (the followers a subclass naming the leader); only the leader asked the hub."""
+    errors = check_same_error_everywhere(library_job, step)
+    plain = library_reference["steps"][step]["error"]
+    assert all(plain["mro"][0] in error["mro"] for error in errors.values()), (plain, errors)
+    assert len({r.rank for r in library_job.window(step)}) == 1
 
 
 @pytest.mark.timeout(600)

@@ -32,7 +32,7 @@ import peft  # noqa: E402
 from diffusers import DDPMPipeline, DiffusionPipeline, DiTTransformer2DModel  # noqa: E402
 from diffusers import UNet2DModel  # noqa: E402
 from diffusers.loaders import single_file  # noqa: E402, F401 - binds snapshot_download by name
-from peft import PeftModel  # noqa: E402
+from peft import AutoPeftModelForCausalLM, PeftModel  # noqa: E402
 from peft.utils import save_and_load  # noqa: E402, F401 - binds hf_hub_download, file_exists
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -117,6 +117,14 @@ def _calls() -> list[tuple[str, Any]]:
         ("dit_pipeline", lambda: _pipeline(DiffusionPipeline.from_pretrained("dif/dit-pipe"))),
         ("peft", peft_from_pretrained),
         ("hf_load_adapter", hf_load_adapter),
+        # loads the adapter's base model (base_model_name_or_path), then the adapter
+        ("auto_peft", lambda: {"model": fingerprint(
+            AutoPeftModelForCausalLM.from_pretrained("lora/d"))}),
+        # the leader's error, on every rank
+        ("missing_pipeline", lambda: {"loaded": repr(DiffusionPipeline.from_pretrained(
+            "dif/missing"))}),
+        ("missing_adapter", lambda: {"loaded": repr(PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained("org/llama-peft-base"), "lora/missing"))}),
     ]
 
 
