@@ -1,7 +1,8 @@
 """Load once: followers get the leader's weights instead of reading the checkpoint.
 
 Wraps ``PreTrainedModel.from_pretrained`` (and the Auto model classes); :mod:`patchload._diffusers`
-reuses the same wrapper and steps for diffusers' ``ModelMixin``. The leader runs the original call, then shares every parameter and buffer (persistent or not) through a transport and
+reuses the same wrapper and steps for diffusers' ``ModelMixin``. The leader runs the original
+call, then shares every parameter and buffer (persistent or not) through a transport and
 publishes where they are. Followers run the same original call from the cache, so configuration,
 dtype resolution, the meta-device skeleton, tying, ``eval()``, generation config and
 ``hf_device_map`` all come from transformers itself; only ``_load_pretrained_model`` (the step
