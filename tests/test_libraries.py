@@ -3,9 +3,10 @@
 One torchrun job (3 ranks, CPU, gloo) runs ``tests/workers/libraries.py``: ``UNet2DModel`` and
 ``DiTTransformer2DModel`` (sharded, loaded as bf16) with ``subfolder=``, diffusers' ``AutoModel``,
 ``DDPMPipeline`` and ``DiffusionPipeline`` (DiT + VAE + scheduler), ``PeftModel.from_pretrained``
-plus ``PeftModel.load_adapter``, and transformers' ``load_adapter``; each step touches repo ids of
-its own on the session's loopback hub. The reference is the same worker in one ``PATCHLOAD=0``
-process.
+plus ``PeftModel.load_adapter``, transformers' ``load_adapter``, ``AutoPeftModelForCausalLM``, and
+a missing pipeline and adapter (the leader's error on every rank). Each step fetches from repo ids
+of its own on the session's loopback hub (``STEP_REPOS``), so the hub log says who fetched what.
+The reference is the same worker in one ``PATCHLOAD=0`` process.
 """
 
 from __future__ import annotations
