@@ -12,23 +12,29 @@ the call from the cache, so diffusers itself builds the module from the config o
   (:func:`patchload._load.receive`). When they do not apply (leader gone, other tensor names) it
   reads the checkpoint itself, replacing a meta-tensor answer by the real state dict first.
 
-Pipelines (``DiffusionPipeline.from_pretrained``) and schedulers are coordinated as entry points in
-:mod:`patchload._hub`: the leader's call makes the one snapshot download; each component model
-inside it is a nested ``ModelMixin`` or ``PreTrainedModel`` load whose weights are shared.
+In a pipeline's ``from_pretrained``, ``DiffusionPipeline.download`` is coordinated as an entry point
+(:mod:`patchload._hub`): the leader makes the one snapshot download, followers read the cache.
+Then every rank loads the components together, each a ``ModelMixin`` or ``PreTrainedModel`` load
+whose weights come from the leader (through either transport). diffusers orders a pipeline's
+components by iterating a set of names, so each process (string hash randomization) would load
+them in its own order; in a multi-rank job they are loaded in sorted order instead, so that ranks
+meet at the same component (a collective broadcast waits only briefly for the others to arrive).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+import sys
+from typing import Any, Callable, Final
 
 from ._calls import current_mode
 from ._load import checkpoint_header, from_pretrained, receive
 from ._patching import Patch
+from ._topology import current_topology
 
 __all__ = ["diffusers_patches"]
 
-_MODELING: str = "diffusers.models.modeling_utils"
+_MODELING: Final = "diffusers.models.modeling_utils"
 
 
 def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
@@ -70,6 +76,21 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     return wrapped(*bound.args, **bound.kwargs)
 
 
+def _extract_init_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+    """``ConfigMixin.extract_init_dict`` of a pipeline class, in a multi-rank job: the same
+    ``(init_dict, unused_kwargs, hidden_dict)`` with ``init_dict`` (the components to load, in
+    load order) sorted by name."""
+    result = wrapped(*args, **kwargs)
+    pipelines = sys.modules.get("diffusers.pipelines.pipeline_utils")
+    if (pipelines is None or not isinstance(instance, type)
+            or not issubclass(instance, pipelines.DiffusionPipeline)
+            or not current_topology().distributed):
+        return result
+    init_dict, *rest = result
+    return (dict(sorted(init_dict.items())), *rest)
+
+
 def diffusers_patches() -> list[Patch]:
     """The patches for diffusers model loading (landed when diffusers' modules are imported)."""
     return [
@@ -77,4 +98,6 @@ def diffusers_patches() -> list[Patch]:
         Patch("diffusers.models.auto_model", "AutoModel.from_pretrained", from_pretrained),
         Patch(_MODELING, "ModelMixin._load_pretrained_model", _load_pretrained_model),
         Patch(_MODELING, "load_state_dict", _load_state_dict),
+        Patch("diffusers.configuration_utils", "ConfigMixin.extract_init_dict",
+              _extract_init_dict),
     ]

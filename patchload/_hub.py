@@ -3,8 +3,9 @@
 Also ``sentence_transformers``' model constructors (``SentenceTransformer``, ``CrossEncoder``,
 ``SparseEncoder``), whose followers then pass ``local_files_only=True``: they skip the hub's
 ``model_info`` call, so their model card does not name a base model. Likewise diffusers'
-``DiffusionPipeline.from_pretrained`` / ``download`` and scheduler ``from_pretrained`` (the leader
-makes the one snapshot download; followers skip ``model_info``), and peft's
+``DiffusionPipeline.download`` (all of a pipeline's ``from_pretrained`` requests: the leader
+makes the one snapshot download; followers skip ``model_info``) and scheduler
+``from_pretrained``, and peft's
 ``PeftModel.from_pretrained``, ``load_adapter`` (also transformers' ``PeftAdapterMixin``),
 ``AutoPeftModel*.from_pretrained`` and ``PeftConfig.from_pretrained``.
 
@@ -48,8 +49,9 @@ _ENTRY_POINTS: Final = (
     ("transformers.generation.configuration_utils", "GenerationConfig.from_pretrained"),
     # Fetches modules.json and friends, and (unless local_files_only) the hub's model_info.
     ("sentence_transformers.base.model", "BaseModel.__init__"),
-    # model_info, model_index.json, one snapshot_download; then each component's own load.
-    ("diffusers.pipelines.pipeline_utils", "DiffusionPipeline.from_pretrained"),
+    # model_info, model_index.json, one snapshot_download: every request of a pipeline's
+    # from_pretrained. Not from_pretrained itself: its followers would only start loading the
+    # components once the leader had loaded them all, too late to join a collective broadcast.
     ("diffusers.pipelines.pipeline_utils", "DiffusionPipeline.download"),
     ("diffusers.schedulers.scheduling_utils", "SchedulerMixin.from_pretrained"),
     ("peft.config", "PeftConfigMixin.from_pretrained"),

@@ -41,6 +41,7 @@ STEP_REPOS = {
     "auto_peft": ("lora/d", "org/llama-peft-base"),
 }
 ERROR_STEPS = ("missing_pipeline", "missing_adapter")
+COLLECTIVE_STEPS = ("unet", "dit_bf16", "dit_pipeline")
 MODEL_STEPS = ("unet", "dit_bf16", "auto_vae")
 PIPELINE_STEPS = ("ddpm_pipeline", "dit_pipeline")
 PEFT_STEPS = ("peft", "hf_load_adapter", "auto_peft")
@@ -76,6 +77,16 @@ def library_job(library_hub: Any, tmp_path_factory: pytest.TempPathFactory) -> J
 
 
 @pytest.fixture(scope="module")
+def collective_job(library_hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The diffusers steps again with ``PATCHLOAD_TRANSPORT=collective`` (gloo broadcast)."""
+    root = tmp_path_factory.mktemp("libraries-collective")
+    return run_torchrun(library_hub, "libraries", ["--steps", ",".join(COLLECTIVE_STEPS)],
+                        nproc=N, timeout_s=JOB_TIMEOUT_S,
+                        env=job_env(library_hub.endpoint, root / "hf", root / "out",
+                                    PATCHLOAD_TRANSPORT="collective")).check_ok()
+
+
+@pytest.fixture(scope="module")
 def library_reference(library_hub: Any, tmp_path_factory: pytest.TempPathFactory
                       ) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("libraries-reference")
@@ -105,12 +116,9 @@ def _models(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: fp for name, fp in record["components"].items() if "tensors" in fp}
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("step", list(STEP_REPOS))
-def test_every_rank_equals_plain_load(library_job: Job, library_reference: dict[str, Any],
-                                      step: str) -> None:
-    want = library_reference["steps"][step]
-    for rank, record in _records(library_job, step).items():
+def _check_equal_to_plain(job: Job, reference: dict[str, Any], step: str) -> None:
+    want = reference["steps"][step]
+    for rank, record in _records(job, step).items():
         got_models, want_models = _models(record), _models(want)
         assert sorted(got_models) == sorted(want_models) and want_models, (rank, step)
         for name in want_models:
@@ -120,6 +128,31 @@ def test_every_rank_equals_plain_load(library_job: Job, library_reference: dict[
             assert record["components"] == want["components"], (rank, step)
         if "adapters" in want:
             assert record["adapters"] == want["adapters"], (rank, step)
+
+
+def _check_read_once(job: Job, reference: dict[str, Any], step: str) -> None:
+    """All ranks together open each checkpoint file the plain load opens, once: a model's
+    followers open none (a pipeline's components may each have another leader)."""
+    opened = {rank: record["checkpoint"]["files"] for rank, record in _records(job, step).items()}
+    everyone = sorted(name for files in opened.values() for name in files)
+    assert everyone == sorted(reference["steps"][step]["checkpoint"]["files"]), (step, opened)
+    assert everyone, step
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("step", list(STEP_REPOS))
+def test_every_rank_equals_plain_load(library_job: Job, library_reference: dict[str, Any],
+                                      step: str) -> None:
+    _check_equal_to_plain(library_job, library_reference, step)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("step", COLLECTIVE_STEPS)
+def test_collective_transport(collective_job: Job, library_reference: dict[str, Any],
+                              step: str) -> None:
+    """``PATCHLOAD_TRANSPORT=collective``: the same bitwise equality; weights read once."""
+    _check_equal_to_plain(collective_job, library_reference, step)
+    _check_read_once(collective_job, library_reference, step)
 
 
 @pytest.mark.timeout(600)
@@ -136,12 +169,10 @@ def test_one_rank_downloads_each_file_once(library_job: Job, step: str) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("step", MODEL_STEPS + PIPELINE_STEPS)
-def test_one_rank_reads_the_weights(library_job: Job, step: str) -> None:
+def test_weights_are_read_once(library_job: Job, library_reference: dict[str, Any],
+                               step: str) -> None:
     """Diffusers weights come from the node leader: the others open no checkpoint file."""
-    opened = {rank: record["checkpoint"]["opens"]
-              for rank, record in _records(library_job, step).items()}
-    assert sorted(opened.values())[:N - 1] == [0] * (N - 1), f"{step}: files opened {opened}"
-    assert max(opened.values()) > 0, f"{step}: {opened}"
+    _check_read_once(library_job, library_reference, step)
 
 
 @pytest.mark.timeout(600)

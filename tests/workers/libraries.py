@@ -1,6 +1,6 @@
 """Rank worker: diffusers models and pipelines, peft adapters (see tests/test_libraries.py).
 
-Usage: ``libraries.py [--reference]``
+Usage: ``libraries.py [--reference] [--steps a,b,...]`` (default: every step)
 
 Each step (barriers around it) makes one user-level call and records a fingerprint of every model
 it produced (sha256 of every named parameter and buffer, dtypes, ties, flags, config) and the
@@ -131,13 +131,17 @@ def _calls() -> list[tuple[str, Any]]:
 def body(report: dict) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--steps", default="")
     args = parser.parse_args()
     report["installed"] = patchload.is_installed()
     report["versions"] = {"diffusers": diffusers.__version__, "peft": peft.__version__}
     report["aliases"] = _wrapped_aliases()
     barrier = _common.Barrier()
     counter = _common.SafetensorsCounter()
+    wanted = set(filter(None, args.steps.split(",")))
     for name, call in _calls():
+        if wanted and name not in wanted:
+            continue
         with _common.step(report, name, barrier) as record:
             mark = counter.snapshot()
             result = _common.attempt(call)
