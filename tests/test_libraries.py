@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 N = 3
 JOB_TIMEOUT_S = 240
 
-# step -> the repo ids it may fetch from (each served only for that step)
+# step -> the only repo ids its requests may name (a cached repo may be reused by a later step)
 STEP_REPOS = {
     "unet": ("dif/ddpm",),
     "dit_bf16": ("dif/dit",),
@@ -44,7 +44,6 @@ ERROR_STEPS = ("missing_pipeline", "missing_adapter")
 COLLECTIVE_STEPS = ("unet", "dit_bf16", "dit_pipeline")
 MODEL_STEPS = ("unet", "dit_bf16", "auto_vae")
 PIPELINE_STEPS = ("ddpm_pipeline", "dit_pipeline")
-PEFT_STEPS = ("peft", "hf_load_adapter", "auto_peft")
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +69,7 @@ def library_hub(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def library_job(library_hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """N=3, default transport (shm): every step, one after another, on a cold cache."""
     root = tmp_path_factory.mktemp("libraries")
     return run_torchrun(library_hub, "libraries", [], nproc=N,
                         env=job_env(library_hub.endpoint, root / "hf", root / "out"),
@@ -89,6 +89,7 @@ def collective_job(library_hub: Any, tmp_path_factory: pytest.TempPathFactory) -
 @pytest.fixture(scope="module")
 def library_reference(library_hub: Any, tmp_path_factory: pytest.TempPathFactory
                       ) -> dict[str, Any]:
+    """Plain calls: one process, ``PATCHLOAD=0``; every step (the error steps fail)."""
     root = tmp_path_factory.mktemp("libraries-reference")
     job = run_plain(library_hub, "libraries", ["--reference"],
                     env=job_env(library_hub.endpoint, root / "hf", root / "out", PATCHLOAD="0"),
