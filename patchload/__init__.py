@@ -50,6 +50,7 @@ def install(config: Config | None = None) -> None:
     Raises:
         ConfigError: a ``PATCHLOAD_*`` variable holds a bad value.
     """
+    from ._diffusers import diffusers_patches
     from ._dynamic import dynamic_module_patches
     from ._hub import hub_patches
     from ._load import load_patches
@@ -58,7 +59,8 @@ def install(config: Config | None = None) -> None:
     cfg = config or load_config()
     _configure_logging(cfg)
     _state.set_active(True, cfg)
-    install_patches(hub_patches() + dynamic_module_patches() + load_patches())
+    install_patches(hub_patches() + dynamic_module_patches() + load_patches()
+                    + diffusers_patches())
 
 
 def uninstall() -> None:

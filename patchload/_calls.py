@@ -100,11 +100,12 @@ def _cache_miss(err: BaseException) -> bool:
 
 
 def _offline_or_online(wrapped: Callable[..., Any], args: tuple[Any, ...],
-                       kwargs: dict[str, Any], call: _coordinate.Call) -> Any:
+                       kwargs: dict[str, Any], call: _coordinate.Call,
+                       offline_kwarg: bool) -> Any:
     """Follower: rerun the call from the cache; if the cache lacks what the leader fetched (it
     is not the cache the leader wrote to), warn and make the call online."""
     try:
-        return wrapped(*args, **_offline(kwargs))
+        return wrapped(*args, **(_offline(kwargs) if offline_kwarg else kwargs))
     except OSError as err:
         if not _cache_miss(err):
             raise
@@ -120,7 +121,8 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                                 tuple[dict[str, Any], Callable[[], None] | None]] | None = None,
                 settle: Callable[[Any, Mode], Any] | None = None,
                 lead_with: Callable[..., Any] | None = None,
-                call: _coordinate.Call | None = None) -> Any:
+                call: _coordinate.Call | None = None,
+                offline_kwarg: bool = True) -> Any:
     """Run ``wrapped(*args, **kwargs)`` leader-first across the ranks of its scope.
 
     Not collective: no rank waits for ranks that do not make the same call.
@@ -139,6 +141,9 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             leader that takes the weights from the job leader instead of its disk.
         call: a call built by the caller (the node leaders' call inside a node-scoped load);
             coordinated as it is, whatever the enclosing mode.
+        offline_kwarg: a follower reruns the call with ``local_files_only=True``. False for
+            calls that reject it (transformers 5.2x ``load_adapter`` passes it on to a config
+            that raises TypeError); their nested hub calls are still made offline.
 
     Returns:
         The original call's result on this rank.
@@ -173,7 +178,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                     loads_model=share is not None)
         token = _MODE.set(mode)
         try:
-            result = _offline_or_online(wrapped, args, kwargs, call)
+            result = _offline_or_online(wrapped, args, kwargs, call, offline_kwarg)
         finally:
             _MODE.reset(token)
         return settle(result, mode) if settle is not None else result

@@ -2,7 +2,16 @@
 
 Also ``sentence_transformers``' model constructors (``SentenceTransformer``, ``CrossEncoder``,
 ``SparseEncoder``), whose followers then pass ``local_files_only=True``: they skip the hub's
-``model_info`` call, so their model card does not name a base model.
+``model_info`` call, so their model card does not name a base model. Likewise diffusers'
+``DiffusionPipeline.download`` (all of a pipeline's ``from_pretrained`` requests: the leader
+makes the one snapshot download; followers skip ``model_info``) and scheduler
+``from_pretrained``, and peft's
+``PeftModel.from_pretrained``, ``load_adapter`` (also transformers' ``PeftAdapterMixin``),
+``AutoPeftModel*.from_pretrained`` and ``PeftConfig.from_pretrained``.
+
+``huggingface_hub.file_exists`` (peft asks it before downloading adapter weights, even with
+``local_files_only=True``) is answered from the cache inside a follower, without a request; a
+``file_exists`` outside any patched call is not coordinated (every rank asks the hub).
 
 ``huggingface_hub.hf_hub_download`` and ``snapshot_download`` are wrapped where they are defined
 and rebound wherever a module already imported them by name (``transformers.utils.hub``,
@@ -14,9 +23,10 @@ requests, every file) runs on the leader and followers rerun it from the cache.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Final
 
-from ._calls import coordinated
+from ._calls import coordinated, current_mode
 from ._patching import Patch
 
 __all__ = ["hub_patches"]
@@ -39,7 +49,41 @@ _ENTRY_POINTS: Final = (
     ("transformers.generation.configuration_utils", "GenerationConfig.from_pretrained"),
     # Fetches modules.json and friends, and (unless local_files_only) the hub's model_info.
     ("sentence_transformers.base.model", "BaseModel.__init__"),
+    # model_info, model_index.json, one snapshot_download: every request of a pipeline's
+    # from_pretrained. Not from_pretrained itself: its followers would only start loading the
+    # components once the leader had loaded them all, too late to join a collective broadcast.
+    ("diffusers.pipelines.pipeline_utils", "DiffusionPipeline.download"),
+    ("diffusers.schedulers.scheduling_utils", "SchedulerMixin.from_pretrained"),
+    ("peft.config", "PeftConfigMixin.from_pretrained"),
+    ("peft.peft_model", "PeftModel.from_pretrained"),
+    ("peft.peft_model", "PeftModel.load_adapter"),
+    # The adapter config, the base model (its weights shared on their own), a file_exists
+    # check for a tokenizer, then PeftModel.from_pretrained.
+    ("peft.auto", "_BaseAutoPeftModel.from_pretrained"),
 )
+# Entry points whose followers must not get local_files_only=True (see coordinated()).
+_REJECTING_OFFLINE_KWARG: Final = (
+    ("transformers.integrations.peft", "PeftAdapterMixin.load_adapter"),
+)
+
+
+_SOURCE_NAMES: Final = ("pretrained_model_name_or_path", "model_name_or_path", "model_id",
+                        "peft_model_id")
+
+
+def _file_exists(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+    """``huggingface_hub.file_exists`` (a request): inside a follower's call, answered from the
+    cache the leader filled (a cached file exists; anything else is taken as absent)."""
+    mode = current_mode()
+    if mode is None or mode.lead:
+        return wrapped(*args, **kwargs)
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(
+        _first(args, kwargs, "repo_id", 0), _first(args, kwargs, "filename", 1),
+        revision=kwargs.get("revision"), repo_type=kwargs.get("repo_type"))
+    return isinstance(cached, str)
 
 
 def _first(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int) -> Any:
@@ -57,14 +101,24 @@ def _hub_function(name: str) -> Callable[..., Any]:
     return wrapper
 
 
-def _entry_point(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Any:
-    owner = instance if isinstance(instance, type) else type(instance)
-    name = f"{owner.__module__}.{owner.__qualname__}.{wrapped.__name__}"
-    source = args[0] if args else kwargs.get("pretrained_model_name_or_path",
-                                             kwargs.get("model_name_or_path"))
-    return coordinated(name, wrapped, args, kwargs,
-                       what=f"{owner.__name__}.{wrapped.__name__}({source!r})")
+def _source(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The repo id or path a call loads from, for messages: the first string or path argument
+    (``PeftModel.from_pretrained`` takes the base model first)."""
+    for value in (*args, *(kwargs.get(name) for name in _SOURCE_NAMES)):
+        if isinstance(value, (str, os.PathLike)):
+            return value
+    return None
+
+
+def _entry_point(*, offline_kwarg: bool) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        owner = instance if isinstance(instance, type) else type(instance)
+        name = f"{owner.__module__}.{owner.__qualname__}.{wrapped.__name__}"
+        return coordinated(name, wrapped, args, kwargs, offline_kwarg=offline_kwarg,
+                           what=f"{owner.__name__}.{wrapped.__name__}({_source(args, kwargs)!r})")
+
+    return wrapper
 
 
 def hub_patches() -> list[Patch]:
@@ -78,6 +132,11 @@ def hub_patches() -> list[Patch]:
         # inside a node leader of a job-scoped download it must be coordinated like the files.
         Patch("huggingface_hub.hf_api", "HfApi.resolve_revision",
               _hub_function("resolve_revision")),
+        # A bound method of hf_api's module-level HfApi, imported by name (peft).
+        Patch("huggingface_hub.hf_api", "file_exists", _file_exists, rebind_aliases=True),
     ]
-    patches += [Patch(module, path, _entry_point) for module, path in _ENTRY_POINTS]
+    patches += [Patch(module, path, _entry_point(offline_kwarg=True))
+                for module, path in _ENTRY_POINTS]
+    patches += [Patch(module, path, _entry_point(offline_kwarg=False))
+                for module, path in _REJECTING_OFFLINE_KWARG]
     return patches

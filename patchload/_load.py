@@ -1,7 +1,8 @@
 """Load once: followers get the leader's weights instead of reading the checkpoint.
 
-Wraps ``PreTrainedModel.from_pretrained`` (and the Auto model classes). The leader runs the
-original call, then shares every parameter and buffer (persistent or not) through a transport and
+Wraps ``PreTrainedModel.from_pretrained`` (and the Auto model classes); :mod:`patchload._diffusers`
+reuses the same wrapper and steps for diffusers' ``ModelMixin``. The leader runs the original
+call, then shares every parameter and buffer (persistent or not) through a transport and
 publishes where they are. Followers run the same original call from the cache, so configuration,
 dtype resolution, the meta-device skeleton, tying, ``eval()``, generation config and
 ``hf_device_map`` all come from transformers itself; only ``_load_pretrained_model`` (the step
@@ -34,16 +35,17 @@ from ._scope import download_scope
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel
 
-__all__ = ["load_patches"]
+__all__ = ["load_patches", "from_pretrained", "receive", "checkpoint_header"]
 
 logger = logging.getLogger(__name__)
 
 # from_pretrained keyword arguments under which patchload does not share weights.
 _UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size",
                          "distributed_config", "device_mesh", "state_dict", "load_in_8bit",
-                         "load_in_4bit", "offload_folder", "key_mapping")
+                         "load_in_4bit", "offload_folder", "key_mapping",
+                         # diffusers
+                         "parallel_config", "use_flashpack", "dduf_entries")
 # Those under which building the model runs collectives on every rank: the call cannot run on a
 # leader first (its collectives would wait for followers that wait for it).
 _COLLECTIVE_KWARGS: Final = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
@@ -78,7 +80,8 @@ def _step_aside_reason(kwargs: dict[str, Any]) -> tuple[str | None, bool]:
     if not _state.config().broadcast:
         return "PATCHLOAD_BROADCAST=0", False
     for name in _UNSAFE_KWARGS:
-        if kwargs.get(name) is not None:
+        value = kwargs.get(name)
+        if value is not None and value is not False:  # diffusers passes use_flashpack=False
             return f"{name} is set", False
     device_map = kwargs.get("device_map")
     if str(device_map) not in {str(m) for m in _CPU_MAPS}:
@@ -86,14 +89,16 @@ def _step_aside_reason(kwargs: dict[str, Any]) -> tuple[str | None, bool]:
     return None, False
 
 
-def _model_of(result: Any) -> PreTrainedModel | None:
-    from transformers import PreTrainedModel
+def _model_of(result: Any) -> torch.nn.Module | None:
+    """The model a ``from_pretrained`` returned (transformers or diffusers, with or without
+    ``output_loading_info``), or None."""
+    import torch
 
     model = result[0] if isinstance(result, tuple) and result else result
-    return model if isinstance(model, PreTrainedModel) else None
+    return model if isinstance(model, torch.nn.Module) else None
 
 
-def _post_load_reason(model: PreTrainedModel) -> str | None:
+def _post_load_reason(model: torch.nn.Module) -> str | None:
     if getattr(model, "hf_quantizer", None) is not None or getattr(
             model.config, "quantization_config", None) is not None:
         return "the checkpoint is quantized"
@@ -258,8 +263,12 @@ def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor])
             module._buffers[attribute] = tensors[index]
 
 
-def _receive(mode: Mode, model: Any) -> bool:
-    """Follower: fetch the leader's tensors into ``model``; False when they do not apply."""
+def receive(mode: Mode, model: Any) -> bool:
+    """Follower, in place of the checkpoint-reading step: put the leader's tensors (shared
+    memory or collective, as the leader published) into ``model``, whose parameters may be on
+    the meta device. Returns False (and changes nothing) when there are no weights to receive or
+    they do not apply (other tensor names, a leader that is gone, not a broadcast member): the
+    caller then reads the checkpoint itself."""
     weights = mode.payload.get("weights")
     if not weights or "received" in mode.used:
         return False
@@ -302,6 +311,35 @@ def _settle(result: Any, mode: Mode) -> Any:
     return result
 
 
+def checkpoint_header(mode: Mode, checkpoint_file: Any,
+                      read: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    """Read a checkpoint's state dict inside a model load, or answer it from the leader's record.
+
+    The leader calls ``read()`` and records each tensor's dtype and shape under the file's base
+    name (published with its weights). A follower whose leader recorded that file gets meta-device
+    tensors of the same names, dtypes and shapes, without opening the file.
+
+    Returns:
+        ``(state_dict, answered)``: ``answered`` is True when the tensors are the meta-device
+        answer (a follower must not load them as weights).
+    """
+    name = os.path.basename(str(checkpoint_file))
+    if mode.lead:
+        state = read()
+        mode.used.setdefault("headers", {})[name] = {
+            key: [str(t.dtype).removeprefix("torch."), list(t.shape)] for key, t in state.items()}
+        return state, False
+    header = (mode.payload.get("weights") or {}).get("headers", {}).get(name)
+    if header is None:
+        return read(), False
+    import torch
+
+    from .transport import dtype_from_str
+
+    return {key: torch.empty(shape, dtype=dtype_from_str(dtype), device="meta")
+            for key, (dtype, shape) in header.items()}, True
+
+
 def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
     """``transformers.modeling_utils.load_state_dict`` with ``map_location="meta"``: how
@@ -311,25 +349,14 @@ def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
     location = kwargs.get("map_location", args[1] if len(args) > 1 else None)
     if mode is None or not mode.loads_model or str(location) != "meta":
         return wrapped(*args, **kwargs)
-    name = os.path.basename(str(args[0] if args else kwargs.get("checkpoint_file")))
-    if mode.lead:
-        state = wrapped(*args, **kwargs)
-        mode.used.setdefault("headers", {})[name] = {
-            key: [str(t.dtype).removeprefix("torch."), list(t.shape)] for key, t in state.items()}
-        return state
-    header = (mode.payload.get("weights") or {}).get("headers", {}).get(name)
-    if header is None:
-        return wrapped(*args, **kwargs)
-    import torch
-
-    from .transport import dtype_from_str
-
-    return {key: torch.empty(shape, dtype=dtype_from_str(dtype), device="meta")
-            for key, (dtype, shape) in header.items()}
+    checkpoint_file = args[0] if args else kwargs.get("checkpoint_file")
+    return checkpoint_header(mode, checkpoint_file, lambda: wrapped(*args, **kwargs))[0]
 
 
-def _from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> Any:
+def from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+    """The wrapt wrapper of a model class's ``from_pretrained`` (transformers or diffusers):
+    weights from the node's leader, unless a reason to step aside applies."""
     owner = instance if isinstance(instance, type) else type(instance)
     name = f"{owner.__module__}.{owner.__qualname__}.from_pretrained"
     source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
@@ -398,7 +425,7 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     if mode is None or mode.lead:
         return wrapped(*args, **kwargs)
     model = args[0] if args else kwargs.get("model")
-    if not _receive(mode, model):
+    if not receive(mode, model):
         return wrapped(*args, **kwargs)
     return loaded_from_leader(model)
 
@@ -415,8 +442,8 @@ def _auto_classes(module: Any) -> list[str]:
 def load_patches() -> list[Patch]:
     """The patches for model loading: ``from_pretrained`` and the checkpoint-reading step."""
     return [
-        Patch("transformers.modeling_utils", "PreTrainedModel.from_pretrained", _from_pretrained),
-        Patch("transformers.models.auto.modeling_auto", "", _from_pretrained,
+        Patch("transformers.modeling_utils", "PreTrainedModel.from_pretrained", from_pretrained),
+        Patch("transformers.models.auto.modeling_auto", "", from_pretrained,
               expand=_auto_classes),
         Patch("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model",
               _load_pretrained_model),

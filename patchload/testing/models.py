@@ -7,6 +7,9 @@ Nothing touches the network. Weights are deterministic: each factory seeds a pri
 files and therefore the same :meth:`LoopbackHub.add_repo` commit sha. Models are tiny (hidden size
 16-64, 1-2 layers, vocab 128) and load in well under a second on CPU.
 
+The diffusers and peft factories (:func:`tiny_ddpm_pipeline`, :func:`tiny_dit_pipeline`,
+:func:`tiny_lora`) import those libraries when called, so this module needs neither.
+
 Importing this module registers :class:`PatchloadToyConfig` / :class:`PatchloadToyModel`
 (``model_type="patchload-toy"``) with ``AutoConfig`` / ``AutoModel``; a process that loads a
 :func:`tiny_custom` repo through the Auto classes must import this module first.
@@ -47,8 +50,11 @@ __all__ = [
     "minilm",
     "tiny_bert",
     "tiny_custom",
+    "tiny_ddpm_pipeline",
+    "tiny_dit_pipeline",
     "tiny_gpt2",
     "tiny_llama",
+    "tiny_lora",
     "tiny_remote_code",
     "tiny_t5",
     "tiny_tokenizer",
@@ -286,6 +292,87 @@ def tiny_custom(folder: str | Path, *, hidden_size: int = 16, buffer_scale: floa
     with torch.no_grad():
         model.offset.copy_(torch.arange(hidden_size, dtype=torch.float32) * 2 + 1)
     return _save(model, folder)
+
+
+def tiny_ddpm_pipeline(folder: str | Path, *, seed: int = 0) -> Path:
+    """Writes a tiny diffusers ``DDPMPipeline`` repo: a ``UNet2DModel`` (8x8 images, blocks of 8
+    and 16 channels, one attention block each way) in ``unet/`` and a ``DDPMScheduler`` (10
+    steps) in ``scheduler/``, plus ``model_index.json``. About 100 KB.
+
+    Returns:
+        ``Path(folder)``.
+    """
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+    with _seeded(seed):
+        unet = UNet2DModel(
+            sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+            block_out_channels=(8, 16), norm_num_groups=4, attention_head_dim=4,
+            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+    out = Path(folder)
+    DDPMPipeline(unet=unet, scheduler=DDPMScheduler(num_train_timesteps=10)).save_pretrained(out)
+    return out
+
+
+def tiny_dit_pipeline(folder: str | Path, *, transformer_shard_size: str | None = "20KB",
+                      seed: int = 0) -> Path:
+    """Writes a tiny diffusers ``DiTPipeline`` repo: a transformer-based denoiser
+    (``DiTTransformer2DModel``: 2 heads of 8, one layer, 4x4 latents, patch 2, 10 classes;
+    its positional embedding is a non-persistent buffer) in ``transformer/``, a tiny
+    ``AutoencoderKL`` in ``vae/`` and a ``DDIMScheduler`` in ``scheduler/``.
+
+    Args:
+        folder: Output directory.
+        transformer_shard_size: When set, ``transformer/`` is saved in several safetensors shards
+            with an index (diffusers' sharded load path).
+        seed: Weight seed.
+
+    Returns:
+        ``Path(folder)``.
+    """
+    from diffusers import AutoencoderKL, DDIMScheduler, DiTPipeline, DiTTransformer2DModel
+
+    with _seeded(seed):
+        transformer = DiTTransformer2DModel(
+            num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
+            num_layers=1, sample_size=4, patch_size=2, num_embeds_ada_norm=10)
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4,
+                            block_out_channels=(8,), norm_num_groups=4, layers_per_block=1,
+                            down_block_types=("DownEncoderBlock2D",),
+                            up_block_types=("UpDecoderBlock2D",), sample_size=8)
+    out = Path(folder)
+    pipe = DiTPipeline(transformer=transformer, vae=vae, scheduler=DDIMScheduler(
+        num_train_timesteps=10), id2label={i: f"class{i}" for i in range(10)})
+    pipe.save_pretrained(out)
+    if transformer_shard_size is not None:
+        for stale in (out / "transformer").glob("*.safetensors"):
+            stale.unlink()
+        transformer.save_pretrained(out / "transformer", max_shard_size=transformer_shard_size)
+    return out
+
+
+def tiny_lora(folder: str | Path, base_folder: str | Path, *, base_repo_id: str, rank: int = 2,
+              seed: int = 0) -> Path:
+    """Writes a peft LoRA adapter repo (``adapter_config.json``, ``adapter_model.safetensors``)
+    for the model in ``base_folder`` (a :func:`tiny_llama` repo): rank ``rank`` on ``q_proj``
+    and ``v_proj``, with non-zero ``lora_B`` (so the adapter changes the output), and
+    ``base_model_name_or_path`` set to ``base_repo_id``.
+
+    Returns:
+        ``Path(folder)``.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    base = LlamaForCausalLM.from_pretrained(base_folder)
+    base.name_or_path = base_repo_id  # what peft writes as base_model_name_or_path
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
+                        init_lora_weights=False, base_model_name_or_path=base_repo_id)
+    with _seeded(seed):
+        model = get_peft_model(base, config)
+    out = Path(folder)
+    model.save_pretrained(out, save_embedding_layers=False)  # "auto" asks the hub
+    return out
 
 
 def minilm(folder: str | Path) -> Path:
