@@ -8,7 +8,7 @@ Coordination never uses collectives on the user's process group: it goes through
 2. the default process group's store, once ``init_process_group`` ran;
 3. a ``FileStore`` in a node-local, per-user directory: downloads are then coordinated inside one
    node only. Every process that opens it counts itself in; at exit, the last one out removes
-   the file (a killed process never leaves, so its job's file stays).
+   the file, as does one that finds every other process that used it gone (killed).
 
 Every key is namespaced with a ``PrefixStore`` naming the job (run id and restart count), so a
 restarted job never sees the keys of the attempt before.
@@ -108,13 +108,18 @@ def _namespace() -> str:
 
 
 _USERS_KEY: Final = "patchload-users"
+_PIDS_KEY: Final = "patchload-pids"
 _EXITED_KEY: Final = "patchload-exited"
 
 
 def _leave_file_store(base: Store, path: Path) -> None:
-    """At exit: count this process out of the node-local store; the last one removes its file."""
+    """At exit: count this process out of the node-local store; the last one out removes its
+    file, and so does one that finds every other process that used it gone (killed processes
+    never count themselves out)."""
     try:
-        if base.add(_EXITED_KEY, 1) >= base.add(_USERS_KEY, 0):
+        last = base.add(_EXITED_KEY, 1) >= base.add(_USERS_KEY, 0)
+        pids = {int(pid) for pid in base.get(_PIDS_KEY).decode().split(",") if pid}
+        if last or all(pid == os.getpid() or not psutil.pid_exists(pid) for pid in pids):
             path.unlink(missing_ok=True)
     except Exception as err:  # noqa: BLE001 - at exit; the file is only left behind
         logger.debug("leaving the node-local store %s failed: %s", path, err)
@@ -132,6 +137,7 @@ def _make(kind: str) -> JobStore:
         path = private_dir() / f"store-{_namespace()}"
         base = dist.FileStore(str(path), -1)
         base.add(_USERS_KEY, 1)
+        base.append(_PIDS_KEY, f"{os.getpid()},")
         atexit.register(_leave_file_store, base, path)
         logger.warning("no job-wide store (not under torchrun and no process group yet): "
                        "coordinating downloads inside this node only, through %s", path)

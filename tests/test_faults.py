@@ -665,20 +665,23 @@ sys.stdin.read()  # exits when the test closes stdin
 @pytest.mark.timeout(120)
 def test_node_local_store_file_is_removed_by_the_last_process_out(tmp_path: Path) -> None:
     """Without a launcher store, ranks share a FileStore in patchload's private directory; it
-    outlives the first rank to exit and goes with the last."""
+    outlives the first rank to exit and goes with the last, even when another was SIGKILLed
+    (it never counts itself out)."""
     from _launch import job_env
 
     env = job_env("http://127.0.0.1:9", tmp_path / "hf", tmp_path / "out",
-                  TMPDIR=str(tmp_path), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+                  TMPDIR=str(tmp_path), WORLD_SIZE="3", LOCAL_WORLD_SIZE="3")
     procs = [subprocess.Popen([sys.executable, "-c", _FILE_STORE_USER], text=True,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-             for r in range(2)]
+             for r in range(3)]
     try:
-        assert [p.stdout.readline().strip() for p in procs] == ["file", "file"]  # type: ignore
+        assert [p.stdout.readline().strip() for p in procs] == ["file"] * 3  # type: ignore
         private = tmp_path / f"patchload-{os.getuid()}"
         (store_file,) = private.iterdir()
-        for i, proc in enumerate(procs):
+        procs[2].kill()
+        procs[2].wait(timeout=30)
+        for i, proc in enumerate(procs[:2]):
             proc.communicate("", timeout=60)
             assert proc.returncode == 0
             assert store_file.exists() == (i == 0), f"after {i + 1} of 2 exited"
