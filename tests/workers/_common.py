@@ -8,6 +8,7 @@ reported there too (``{"crash": traceback}``) before the process exits non-zero.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import hashlib
@@ -35,8 +36,15 @@ def write_report(report: dict[str, Any]) -> None:
     os.replace(tmp, report_path())
 
 
-def main(body: Callable[[dict[str, Any]], None]) -> None:
-    """Run ``body(report)`` and write the report; on a crash, write the traceback and exit 1."""
+def main(body: Callable[[dict[str, Any]], None], *, skip_finalization: bool = False) -> None:
+    """Run ``body(report)`` and write the report; on a crash, write the traceback and exit 1.
+
+    ``skip_finalization``: once the report is written, run the exit handlers (patchload's
+    included) and leave without finalizing the interpreter. For workers that ran a gloo process
+    group: torch's teardown of gloo work objects during interpreter finalization can abort a
+    process that already finished ("terminate called without an active exception", see
+    pytorch/pytorch#179291 and #190489), which would fail the job after its work is done.
+    """
     report: dict[str, Any] = {"rank": RANK, "pid": os.getpid(), "steps": {}}
     try:
         body(report)
@@ -46,6 +54,11 @@ def main(body: Callable[[dict[str, Any]], None]) -> None:
         sys.stdout.flush()
         os._exit(1)
     write_report(report)
+    if skip_finalization:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # --- synchronisation between steps (not patchload's: a test-only prefix in the agent store) -----

@@ -21,7 +21,8 @@ import os
 
 os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{os.environ.get('RANK', '0')}"
 
-import argparse  # noqa: E402
+import argparse
+import sys  # noqa: E402
 import hashlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -121,4 +122,5 @@ def body(report: dict) -> None:
 
 
 if __name__ == "__main__":
-    _common.main(body)
+    # A gloo process group ran (--init before|after): see _common.main.
+    _common.main(body, skip_finalization="--init" in sys.argv and "never" not in sys.argv)
