@@ -19,4 +19,4 @@ test-tf5: env
 	.venv/bin/python -m pytest -q tests
 
 test-tf4: env-tf4
-	.venv-tf4/bin/python -m pytest -q -m tf4 tests
+	.venv-tf4/bin/python -m pytest -q -rs -m tf4 tests

@@ -44,18 +44,25 @@ class Mode:
     Attributes:
         lead: True on the leader, False on a follower.
         scope: the enclosing call's scope, ``node`` or ``job``.
-        payload: the leader's published payload (followers only).
         used: per-call scratch space for nested wrappers (e.g. whether weights were received).
         loads_model: the enclosing call loads model weights (it shares them on the leader).
         call: the enclosing coordinated call.
+        payload_of: followers: returns the leader's published payload (see :attr:`payload`).
     """
 
     lead: bool
     scope: str
     call: _coordinate.Call
     loads_model: bool = False
-    payload: dict[str, Any] = field(default_factory=dict)
     used: dict[str, Any] = field(default_factory=dict)
+    payload_of: Callable[[], dict[str, Any]] | None = None
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The leader's published payload; empty on the leader. A follower that started before
+        the leader finished (model loads start once the leader's files are in the cache) waits
+        here for the leader's outcome, bounded, and raises the leader's failure."""
+        return self.payload_of() if self.payload_of is not None else {}
 
 
 _MODE: contextvars.ContextVar[Mode | None] = contextvars.ContextVar("patchload_mode", default=None)
@@ -173,8 +180,8 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         payload, after = share(result, call, mode) if share is not None else ({}, None)
         return result, payload, after
 
-    def follow(role: _coordinate.Role, payload: dict[str, Any]) -> Any:
-        mode = Mode(lead=False, scope=call.scope, call=call, payload=payload,
+    def follow(role: _coordinate.Role, payload: Callable[[], dict[str, Any]]) -> Any:
+        mode = Mode(lead=False, scope=call.scope, call=call, payload_of=payload,
                     loads_model=share is not None)
         token = _MODE.set(mode)
         try:
@@ -183,7 +190,9 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             _MODE.reset(token)
         return settle(result, mode) if settle is not None else result
 
-    return _coordinate.leader_first(call, lead, follow)
+    # A model load's followers build their model while the leader loads; they wait for its
+    # weights (the outcome) when they need them.
+    return _coordinate.leader_first(call, lead, follow, early=share is not None)
 
 
 def _nested(mode: Mode, wrapped: Callable[..., Any], args: tuple[Any, ...],

@@ -33,8 +33,8 @@ from ._errors import LeaderFailedError, PatchloadTimeout, describe_exception, fo
 from ._store import JobStore, job_store
 from ._topology import Topology
 
-__all__ = ["Call", "Role", "call_key", "claim", "gone_ranks", "leader_first", "leading",
-           "node_leaders_call", "pending_followers", "publish", "raise_failure",
+__all__ = ["Call", "Role", "call_key", "claim", "files_ready", "gone_ranks", "leader_first",
+           "leading", "node_leaders_call", "pending_followers", "publish", "raise_failure",
            "wait_followers_done", "wait_outcome"]
 
 logger = logging.getLogger(__name__)
@@ -223,11 +223,24 @@ def _leader_alive(call: Call, role: Role) -> bool:
     return role.leader_host != _HOST or _process_alive(role.leader_pid)
 
 
-def wait_outcome(call: Call, role: Role) -> dict[str, Any]:
+def files_ready(call: Call) -> None:
+    """Leader: announce that every file of ``call`` is in the cache (its load is under way), so
+    that followers can start their own part of the call before the outcome. Not collective."""
+    with call.store.lock:
+        call.store.store.set(call.key + "files", "1")
+
+
+def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str, Any] | None:
     """Wait for the leader's outcome of ``call``. Not collective; bounded.
 
+    Args:
+        call: a call this rank follows.
+        role: the leader's role, from :func:`claim`.
+        or_files: also return (None) as soon as the leader announced its files
+            (:func:`files_ready`).
+
     Returns:
-        The outcome dict the leader published.
+        The outcome dict the leader published, or None (``or_files`` only).
 
     Raises:
         LeaderFailedError: the leader's process is gone (same host), or its heartbeat stopped for
@@ -242,6 +255,8 @@ def wait_outcome(call: Call, role: Role) -> dict[str, Any]:
         with store.lock:
             if store.store.check([call.key + "outcome"]):
                 return json.loads(store.store.get(call.key + "outcome"))
+            if or_files and store.store.check([call.key + "files"]):
+                return None
             beat = store.store.add(call.key + "heartbeat", 0)
         now = time.monotonic()
         if beat != last_beat:
@@ -310,7 +325,8 @@ def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
 
 def leader_first(call: Call,
                  lead: Callable[[], tuple[T, dict[str, Any], Callable[[], None] | None]],
-                 follow: Callable[[Role, dict[str, Any]], T]) -> T:
+                 follow: Callable[[Role, Callable[[], dict[str, Any]]], T], *,
+                 early: bool = False) -> T:
     """Run ``lead`` on the call's leader and ``follow`` on every other rank of its scope.
 
     Not collective: each rank returns as soon as its own part is done; the leader never waits for
@@ -322,7 +338,11 @@ def leader_first(call: Call,
             published with the success outcome; ``after`` (or None) runs once it is published
             (e.g. a broadcast the followers join after reading the payload). An exception from
             ``after`` is logged, not raised: the leader's own result is already good.
-        follow: run by a follower once the leader succeeded, with the leader's role and payload.
+        follow: run by a follower with the leader's role and a function returning the leader's
+            payload: once the leader succeeded, or, with ``early``, as soon as the leader
+            announced its files (the function then waits for the outcome, and raises the
+            leader's failure).
+        early: let followers start once the leader's files are in the cache.
 
     Returns:
         What ``lead`` or ``follow`` returned on this rank.
@@ -347,10 +367,19 @@ def leader_first(call: Call,
     with call.store.lock:  # lets the leader see who is waiting
         call.store.store.set(call.key + f"arrived/{call.topology.rank}", str(os.getpid()))
     try:
-        outcome = wait_outcome(call, role)
-        if not outcome.get("ok"):
-            raise_failure(call, role, outcome)
-        return follow(role, outcome.get("payload") or {})
+        outcome = wait_outcome(call, role, or_files=early)
+
+        def payload() -> dict[str, Any]:
+            nonlocal outcome
+            if outcome is None:
+                outcome = wait_outcome(call, role)
+            if not outcome.get("ok"):
+                raise_failure(call, role, outcome)
+            return outcome.get("payload") or {}
+
+        if outcome is not None:
+            payload()  # the leader failed: raise before following
+        return follow(role, payload)
     finally:
         with call.store.lock:
             call.store.store.set(call.key + f"done/{call.topology.rank}", "1")

@@ -57,6 +57,6 @@ def main_process_first(scope: str = "node") -> Iterator[bool]:
             yield True
         return
     outcome = _coordinate.wait_outcome(call, role)
-    if not outcome.get("ok"):
+    if outcome is None or not outcome.get("ok"):
         _coordinate.raise_failure(call, role, outcome)
     yield False

@@ -6,7 +6,9 @@ call, then shares every parameter and buffer (persistent or not) through a trans
 publishes where they are. Followers run the same original call from the cache, so configuration,
 dtype resolution, the meta-device skeleton, tying, ``eval()``, generation config and
 ``hf_device_map`` all come from transformers itself; only ``_load_pretrained_model`` (the step
-that reads checkpoint files) is replaced by assembling the leader's tensors. At the end every
+that reads checkpoint files) is replaced by assembling the leader's tensors. The leader announces
+when it reaches that step (every file is in the cache by then), so followers build their
+skeleton while it loads and wait for its tensors only there. At the end every
 follower parameter and buffer is re-pointed at the leader's bytes, so the model equals a plain
 load bitwise.
 
@@ -29,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Final
 from . import _state
 from ._calls import Mode, coordinated, current_mode
 from ._compat import loaded_from_leader
-from ._coordinate import Call, node_leaders_call, pending_followers, wait_followers_done
+from ._coordinate import (Call, files_ready, node_leaders_call, pending_followers,
+                          wait_followers_done)
 from ._patching import Patch
 from ._scope import download_scope
 
@@ -422,6 +425,8 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
 def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                            kwargs: dict[str, Any]) -> Any:
     mode = current_mode()
+    if mode is not None and mode.lead and mode.loads_model:
+        files_ready(mode.call)  # every checkpoint file is in the cache by now
     if mode is None or mode.lead:
         return wrapped(*args, **kwargs)
     model = args[0] if args else kwargs.get("model")

@@ -10,4 +10,4 @@ if [ ! -x .venv-tf4/bin/python ]; then
 fi
 .venv-tf4/bin/python -m pip install -q --upgrade pip
 .venv-tf4/bin/python -m pip install -q "torch==2.13.0"
-.venv-tf4/bin/python -m pip install -q -e ".[test]" "transformers>=4.57,<5"
+.venv-tf4/bin/python -m pip install -q -e ".[test-core]" "transformers>=4.57,<5"
