@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("diffusers", reason="diffusers is in the [test] extra")
-pytest.importorskip("peft", reason="peft is in the [test] extra")
+pytest.importorskip("diffusers", reason="diffusers not installed (in the [test] extra; .venv-tf4 has only test-core)")
+pytest.importorskip("peft", reason="peft not installed (in the [test] extra; .venv-tf4 has only test-core)")
 
 from _launch import (Job, check_same_error_everywhere, diff_fingerprints,  # noqa: E402
                      gets_per_file, job_env, run_plain, run_torchrun)
