@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("diffusers", reason="diffusers not installed (in the [test] extra; .venv-tf4 has only test-core)")
-pytest.importorskip("peft", reason="peft not installed (in the [test] extra; .venv-tf4 has only test-core)")
+_WHY = "not installed (in the [test] extra; .venv-tf4 has only test-core)"
+pytest.importorskip("diffusers", reason=f"diffusers {_WHY}")
+pytest.importorskip("peft", reason=f"peft {_WHY}")
 
 from _launch import (Job, check_same_error_everywhere, diff_fingerprints,  # noqa: E402
                      gets_per_file, job_env, run_plain, run_torchrun)
