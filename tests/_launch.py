@@ -287,6 +287,16 @@ def diff_fingerprints(got: dict[str, Any], want: dict[str, Any], *, limit: int =
     return diffs[:limit] + ([f"... {len(diffs) - limit} more"] if len(diffs) > limit else [])
 
 
+def step_records(job: Job, step: str) -> dict[int, dict[str, Any]]:
+    """Every rank's record of ``step``, by rank; fails if a rank recorded an error there."""
+    records = {}
+    for rank, report in sorted(job.ranks.items()):
+        record = report["steps"][step]
+        assert "error" not in record, f"rank {rank} {step}: {record['error']}"
+        records[rank] = record
+    return records
+
+
 def check_same_error_everywhere(job: Job, step: str, within_s: float = 10.0) -> dict[int, Any]:
     """Every rank raised the same class; one of them is the leader (the original exception),
     the others are followers naming it; all raised within ``within_s`` of the leader."""

@@ -22,7 +22,7 @@ pytest.importorskip("diffusers", reason=f"diffusers {_WHY}")
 pytest.importorskip("peft", reason=f"peft {_WHY}")
 
 from _launch import (Job, check_same_error_everywhere, diff_fingerprints,  # noqa: E402
-                     gets_per_file, job_env, run_plain, run_torchrun)
+                     gets_per_file, job_env, run_plain, run_torchrun, step_records)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="torchrun jobs with /proc and memfd: Linux only")
@@ -102,15 +102,6 @@ def library_reference(library_hub: Any, tmp_path_factory: pytest.TempPathFactory
     return report
 
 
-def _records(job: Job, step: str) -> dict[int, dict[str, Any]]:
-    records = {}
-    for rank, report in sorted(job.ranks.items()):
-        record = report["steps"][step]
-        assert "error" not in record, f"rank {rank} {step}: {record['error']}"
-        records[rank] = record
-    return records
-
-
 def _models(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """name -> fingerprint of every model a step produced (pipelines: each module component)."""
     if "model" in record:
@@ -120,7 +111,7 @@ def _models(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _check_equal_to_plain(job: Job, reference: dict[str, Any], step: str) -> None:
     want = reference["steps"][step]
-    for rank, record in _records(job, step).items():
+    for rank, record in step_records(job, step).items():
         got_models, want_models = _models(record), _models(want)
         assert sorted(got_models) == sorted(want_models) and want_models, (rank, step)
         for name in want_models:
@@ -135,7 +126,7 @@ def _check_equal_to_plain(job: Job, reference: dict[str, Any], step: str) -> Non
 def _check_read_once(job: Job, reference: dict[str, Any], step: str) -> None:
     """All ranks together open each checkpoint file the plain load opens, once: a model's
     followers open none (a pipeline's components may each have another leader)."""
-    opened = {rank: record["checkpoint"]["files"] for rank, record in _records(job, step).items()}
+    opened = {rank: record["checkpoint"]["files"] for rank, record in step_records(job, step).items()}
     everyone = sorted(name for files in opened.values() for name in files)
     assert everyone == sorted(reference["steps"][step]["checkpoint"]["files"]), (step, opened)
     assert everyone, step

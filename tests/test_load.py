@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from _launch import (Job, check_same_error_everywhere, diff_fingerprints, follower_checkpoint,
-                     job_env, request_signature, run_plain, run_torchrun)
+                     job_env, request_signature, run_plain, run_torchrun, step_records)
 from conftest import LOAD_CASES
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -73,22 +73,13 @@ def single_process_job(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Jo
                      env=_env(hub, root), timeout_s=JOB_TIMEOUT_S).check_ok()
 
 
-def _case_records(job: Job, case: str) -> dict[int, dict[str, Any]]:
-    records = {}
-    for rank, report in sorted(job.ranks.items()):
-        record = report["steps"][case]
-        assert "error" not in record, f"rank {rank} {case}: {record['error']}"
-        records[rank] = record
-    return records
-
-
 # --- 9. bitwise equality with a plain load, both transports -------------------------------------
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", LOAD_CASES)
 def test_every_rank_equals_plain_load(transport_job: Job, reference: dict[str, Any],
                                       case: str) -> None:
-    for rank, record in _case_records(transport_job, case).items():
+    for rank, record in step_records(transport_job, case).items():
         want = reference["steps"][record["ref"]]
         diffs = diff_fingerprints(record["fingerprint"], want["fingerprint"])
         assert diffs == [], f"rank {rank} {case} ({transport_job.extra['transport']}):\n" + \
@@ -124,7 +115,7 @@ def test_cases_cover_what_they_claim(reference: dict[str, Any]) -> None:
 @pytest.mark.parametrize("case", LOAD_CASES)
 def test_followers_read_no_checkpoint_and_make_no_requests(transport_job: Job,
                                                            case: str) -> None:
-    records = _case_records(transport_job, case)
+    records = step_records(transport_job, case)
     readers = sorted(r for r, rec in records.items() if rec["checkpoint"]["reads"])
     non_readers = sorted(set(records) - set(readers))
     if case == "mismatch":  # rank 2 (bf16) leads alone; ranks 0 and 1 (fp32) share a leader
@@ -190,7 +181,7 @@ def test_broadcast_off_coordinates_downloads_only(broadcast_off_job: Job,
                                                   reference: dict[str, Any]) -> None:
     job = broadcast_off_job
     for case in ("llama", "llama_tied", "llama_sharded", "custom"):
-        records = _case_records(job, case)
+        records = step_records(job, case)
         for rank, record in records.items():
             assert diff_fingerprints(record["fingerprint"],
                                      reference["steps"][case]["fingerprint"]) == [], (rank, case)
@@ -288,7 +279,7 @@ def test_two_nodes_read_the_checkpoint_once_per_cache(two_nodes_job: Job,
     shares it in its node. Own caches: each node's leader reads its own disk."""
     node_of = {rank: rank // 2 for rank in two_nodes_job.ranks}
     for case in NODE_CASES:
-        records = _case_records(two_nodes_job, case)
+        records = step_records(two_nodes_job, case)
         for rank, record in records.items():
             want = reference["steps"][record["ref"]]["fingerprint"]
             assert diff_fingerprints(record["fingerprint"], want) == [], (rank, case)
@@ -331,7 +322,7 @@ def test_two_jobs_on_one_node_see_only_their_own_blobs(hub: Any, reference: dict
             job.describe()
         assert attached <= own_pids, (name, attached, own_pids)
         for case in cases:
-            for rank, record in _case_records(job, case).items():
+            for rank, record in step_records(job, case).items():
                 want = reference["steps"][record["ref"]]["fingerprint"]
                 assert diff_fingerprints(record["fingerprint"], want) == [], (name, rank, case)
 

@@ -170,9 +170,9 @@ def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str, sort_keys=True))
 
 
-def fingerprint(model: Any) -> dict[str, Any]:
+def module_fingerprint(model: Any) -> dict[str, Any]:
     """Every named parameter and buffer (persistent or not, tied names included): dtype, shape,
-    device, requires_grad, sha256 of the bytes; the tie groups; module flags; configs."""
+    device, requires_grad, sha256 of the bytes; the tie groups; the training flags."""
     tensors: dict[str, Any] = {}
     groups: dict[int, list[str]] = {}
     for kind, named in (("param", model.named_parameters(remove_duplicate=False)),
@@ -182,13 +182,21 @@ def fingerprint(model: Any) -> dict[str, Any]:
                              "device": str(t.device), "requires_grad": bool(t.requires_grad),
                              "sha256": tensor_sha(t)}
             groups.setdefault(id(t), []).append(name)
-    generation = getattr(model, "generation_config", None)
     return {
         "class": type(model).__name__,
         "tensors": tensors,
         "ties": sorted(sorted(g) for g in groups.values() if len(g) > 1),
         "training": bool(model.training),
         "training_modules": sorted(n for n, m in model.named_modules() if m.training),
+    }
+
+
+def fingerprint(model: Any) -> dict[str, Any]:
+    """:func:`module_fingerprint` of a transformers model, plus its dtype, configs, name and
+    ``_keep_in_fp32_modules``."""
+    generation = getattr(model, "generation_config", None)
+    return {
+        **module_fingerprint(model),
         "dtype": str(model.dtype),
         "config": _jsonable(model.config.to_dict()),
         "generation_config": _jsonable(generation.to_dict()) if generation is not None else None,

@@ -43,26 +43,13 @@ HUB_FUNCTIONS = ("hf_hub_download", "snapshot_download", "file_exists")
 
 
 def fingerprint(model: Any) -> dict[str, Any]:
-    """Every named parameter and buffer (tied names included): dtype, shape, requires_grad,
-    sha256; tie groups; training flags; the model's config as JSON."""
-    tensors: dict[str, Any] = {}
-    groups: dict[int, list[str]] = {}
-    for kind, named in (("param", model.named_parameters(remove_duplicate=False)),
-                        ("buffer", model.named_buffers(remove_duplicate=False))):
-        for name, t in named:
-            tensors[name] = {"kind": kind, "dtype": str(t.dtype), "shape": list(t.shape),
-                             "device": str(t.device), "requires_grad": bool(t.requires_grad),
-                             "sha256": _common.tensor_sha(t)}
-            groups.setdefault(id(t), []).append(name)
+    """The tensors, ties and training flags (``_common.module_fingerprint``) and the model's
+    config as JSON."""
     config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
     # A pipeline's components load from the snapshot folder: the cache differs between jobs.
     config_json = json.dumps(config, default=str, sort_keys=True).replace(
         os.environ["HF_HOME"], "$HF_HOME")
-    return {"class": type(model).__name__, "tensors": tensors,
-            "ties": sorted(sorted(g) for g in groups.values() if len(g) > 1),
-            "training": bool(model.training),
-            "training_modules": sorted(n for n, m in model.named_modules() if m.training),
-            "config": json.loads(config_json)}
+    return {**_common.module_fingerprint(model), "config": json.loads(config_json)}
 
 
 def _wrapped_aliases() -> dict[str, bool]:
