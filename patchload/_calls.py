@@ -43,7 +43,6 @@ class Mode:
 
     Attributes:
         lead: True on the leader, False on a follower.
-        scope: the enclosing call's scope, ``node`` or ``job``.
         used: per-call scratch space for nested wrappers (e.g. whether weights were received).
         loads_model: the enclosing call loads model weights (it shares them on the leader).
         call: the enclosing coordinated call.
@@ -51,7 +50,6 @@ class Mode:
     """
 
     lead: bool
-    scope: str
     call: _coordinate.Call
     loads_model: bool = False
     used: dict[str, Any] = field(default_factory=dict)
@@ -171,7 +169,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     lead_call = lead_with or wrapped
 
     def lead() -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
-        mode = Mode(lead=True, scope=call.scope, call=call, loads_model=share is not None)
+        mode = Mode(lead=True, call=call, loads_model=share is not None)
         token = _MODE.set(mode)
         try:
             result = lead_call(*args, **kwargs)
@@ -181,7 +179,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         return result, payload, after
 
     def follow(role: _coordinate.Role, payload: Callable[[], dict[str, Any]]) -> Any:
-        mode = Mode(lead=False, scope=call.scope, call=call, payload_of=payload,
+        mode = Mode(lead=False, call=call, payload_of=payload,
                     loads_model=share is not None)
         token = _MODE.set(mode)
         try:
@@ -218,7 +216,7 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     store = job_store()
     hub_scope = download_scope(config, topology, store)
     if mode is not None and mode.lead and not own_weights and not (
-            mode.scope == "node" and hub_scope == "job" and not shares):
+            mode.call.scope == "node" and hub_scope == "job" and not shares):
         return None  # nested inside a leader: its own call covers this one
     return _coordinate.call_key(name, deciding_arguments(wrapped, args, kwargs),
                                 scope=scope or hub_scope, topology=topology, config=config,

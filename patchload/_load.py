@@ -397,12 +397,12 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
     in their node); otherwise the original call, reading this node's files."""
 
     def load(*args: Any, **kwargs: Any) -> Any:
-        node_call = current_mode().call
+        node_mode = current_mode()
+        node_call = node_mode.call
         topology = node_call.topology
         if (topology.num_nodes == 1 or _state.config().transport != "auto"
                 or download_scope(_state.config(), topology, node_call.store) != "job"):
             return wrapped(*args, **kwargs)
-        node_mode = current_mode()
         logger.info("%s: the nodes share one hub cache: one rank reads the checkpoint and "
                     "broadcasts it to the other nodes' leaders", node_call.prefix())
 
