@@ -22,7 +22,7 @@ def doctor() -> list[str]:
     import patchload
     from patchload import _state
     from patchload._patching import installed_patches
-    from patchload._store import _kind
+    from patchload.coordination.store import _kind
 
     cfg = _state.config()
     topo = patchload.topology()

@@ -20,8 +20,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
-from ._coordinate import Call, gone_ranks
-from ._store import job_store
+from .coordination.protocol import Call, gone_ranks
+from .coordination.store import job_store
 from ._topology import current_topology
 
 if TYPE_CHECKING:

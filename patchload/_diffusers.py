@@ -27,7 +27,7 @@ import inspect
 import sys
 from typing import Any, Callable, Final
 
-from ._calls import current_mode
+from .coordination.call import current_mode
 from ._load import checkpoint_header, from_pretrained, receive
 from ._patching import Patch
 from ._topology import current_topology

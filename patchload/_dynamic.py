@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import _state
-from ._calls import coordinated
+from .coordination.call import coordinated
 from ._patching import Patch
 
 __all__ = ["dynamic_module_patches"]

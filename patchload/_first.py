@@ -11,7 +11,8 @@ import contextlib
 import inspect
 from typing import Iterator
 
-from . import _coordinate, _state
+from . import _state
+from .coordination import protocol as _coordinate
 from ._topology import current_topology
 
 __all__ = ["main_process_first"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Final
 
-from ._calls import coordinated, current_mode
+from .coordination.call import coordinated, current_mode
 from ._patching import Patch
 
 __all__ = ["hub_patches"]

@@ -29,12 +29,12 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
-from ._calls import Mode, coordinated, current_mode
+from .coordination.call import Mode, coordinated, current_mode
 from ._compat import loaded_from_leader
-from ._coordinate import (Call, files_ready, node_leaders_call, pending_followers,
+from .coordination.protocol import (Call, files_ready, node_leaders_call, pending_followers,
                           wait_followers_done)
 from ._patching import Patch
-from ._scope import download_scope
+from .coordination.scope import download_scope
 
 if TYPE_CHECKING:
     import torch

@@ -652,7 +652,7 @@ def test_fifty_loads_in_a_row_with_four_ranks_release_what_they_take(
 
 _FILE_STORE_USER = """
 import sys
-from patchload._store import job_store
+from patchload.coordination.store import job_store
 
 store = job_store()
 with store.lock:
@@ -741,7 +741,7 @@ def test_store_values_are_parsed_as_json_only() -> None:
 
 def test_files_patchload_creates_are_private_and_not_followed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from patchload import _scope, _store
+    from patchload.coordination import scope as _scope, store as _store
     from patchload._config import load_config
     from patchload._topology import Topology
 
@@ -883,7 +883,7 @@ def test_another_user_cannot_reach_blobs_or_private_files(tmp_path: Path) -> Non
     import torch
     import torch.distributed  # noqa: F401
 
-    from patchload import _store
+    from patchload.coordination import store as _store
     from patchload.transport import shm
 
     shared = Path(tempfile.mkdtemp(prefix="plt-users-"))  # /tmp-like: 1777, reachable by both

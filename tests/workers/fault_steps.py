@@ -84,7 +84,7 @@ import transformers  # noqa: E402
 import transformers.modeling_utils  # noqa: E402, F401 - binds safe_open by name
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-import patchload._coordinate as coordinate  # noqa: E402
+import patchload.coordination.protocol as coordinate  # noqa: E402
 import patchload.transport.collective as collective  # noqa: E402
 from patchload import _state  # noqa: E402
 from patchload._config import load_config  # noqa: E402

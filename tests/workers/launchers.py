@@ -129,7 +129,7 @@ def _topology_dict(topology: Any) -> dict[str, Any]:
 def _steps(args: argparse.Namespace, report: dict[str, Any]) -> None:
     import _common
     import patchload
-    from patchload._store import job_store
+    from patchload.coordination.store import job_store
 
     lines = _Lines()
     logging.getLogger("patchload").addHandler(lines)

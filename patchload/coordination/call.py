@@ -19,10 +19,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final
 
-from . import _coordinate, _state
-from ._scope import download_scope
-from ._store import job_store
-from ._topology import current_topology
+from .. import _state
+from . import protocol as _coordinate
+from .scope import download_scope
+from .store import job_store
+from .._topology import current_topology
 
 __all__ = ["Mode", "current_mode", "coordinated", "deciding_arguments"]
 
@@ -155,7 +156,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
 
     Raises:
         The leader's exception, on every rank of the scope (see
-        :func:`patchload._coordinate.leader_first`).
+        :func:`patchload.coordination.protocol.leader_first`).
     """
     mode = _MODE.get()
     topology = current_topology()

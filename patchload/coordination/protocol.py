@@ -28,10 +28,10 @@ from typing import Any, Callable, Final, Iterator, TypeVar
 
 import psutil
 
-from ._config import Config
-from ._errors import LeaderFailedError, PatchloadTimeout, describe_exception, follower_exception
-from ._store import JobStore, job_store
-from ._topology import Topology
+from .._config import Config
+from .._errors import LeaderFailedError, PatchloadTimeout, describe_exception, follower_exception
+from .store import JobStore, job_store
+from .._topology import Topology
 
 __all__ = ["Call", "Role", "call_key", "claim", "files_ready", "gone_ranks", "leader_first",
            "leading", "node_leaders_call", "pending_followers", "publish", "raise_failure",

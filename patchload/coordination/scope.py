@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Final
 
-from ._config import Config
-from ._store import JobStore
-from ._topology import Topology
+from .._config import Config
+from .store import JobStore
+from .._topology import Topology
 
 __all__ = ["download_scope"]
 
