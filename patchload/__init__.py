@@ -55,12 +55,13 @@ def install(config: Config | None = None) -> None:
     from ._hub import hub_patches
     from ._load import load_patches
     from ._patching import install_patches
+    from .coordination.call import context_patches
 
     cfg = config or load_config()
     _configure_logging(cfg)
     _state.set_active(True, cfg)
     install_patches(hub_patches() + dynamic_module_patches() + load_patches()
-                    + diffusers_patches())
+                    + diffusers_patches() + context_patches())
 
 
 def uninstall() -> None:

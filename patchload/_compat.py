@@ -13,16 +13,54 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["config_base", "init_copy_", "loaded_from_leader"]
+__all__ = ["config_base", "describe_loading_info", "init_copy_", "initialized_by_follower",
+           "loaded_from_leader"]
 
 
-def loaded_from_leader(model: Any) -> Any:
-    """What ``PreTrainedModel._load_pretrained_model`` returns for a follower whose every
-    parameter and buffer came from the leader: nothing missing, unexpected or mismatched, no
-    error messages, nothing offloaded.
+def describe_loading_info(result: Any) -> dict[str, Any]:
+    """What ``PreTrainedModel._load_pretrained_model`` returned on the leader, as JSON: the keys
+    missing from the checkpoint, unexpected in it, of mismatched shape, and the error messages.
+
+    Args:
+        result: transformers 5.x: ``(LoadStateDictInfo, offload_index)``; 4.x: ``(model,
+            missing_keys, unexpected_keys, mismatched_keys, offload_index, error_msgs)``.
+    """
+    if len(result) == 2:  # transformers 5.x
+        info = result[0]
+        return {"missing_keys": sorted(info.missing_keys),
+                "unexpected_keys": sorted(info.unexpected_keys),
+                "mismatched_keys": sorted([k, list(a), list(b)] for k, a, b in
+                                          info.mismatched_keys),
+                "error_msgs": list(info.error_msgs),
+                "conversion_errors": dict(info.conversion_errors),
+                "skipped_pp_keys": sorted(info.skipped_pp_keys)}
+    _, missing, unexpected, mismatched, _, error_msgs = result
+    return {"missing_keys": list(missing), "unexpected_keys": list(unexpected),
+            "mismatched_keys": list(mismatched), "error_msgs": list(error_msgs)}
+
+
+def initialized_by_follower(info: dict[str, Any]) -> set[str] | None:
+    """The keys a follower initialises itself (missing or of mismatched shape on the leader), or
+    None where this transformers line initialises them inside the step a follower replaces (4.x:
+    the follower then reads the checkpoint itself, so its random draws match a plain load)."""
+    keys = set(info.get("missing_keys", ())) | {m[0] if isinstance(m, list) else m
+                                                for m in info.get("mismatched_keys", ())}
+    try:
+        from transformers.utils.loading_report import LoadStateDictInfo  # noqa: F401
+    except ImportError:  # transformers 4.x
+        return None if keys else set()
+    return keys
+
+
+def loaded_from_leader(model: Any, info: dict[str, Any]) -> Any:
+    """What ``PreTrainedModel._load_pretrained_model`` returns for a follower whose tensors came
+    from the leader: the leader's loading info, so that transformers then initialises the same
+    missing keys on the follower (drawing from its own random-number stream, as a plain load does)
+    and reports the same keys.
 
     Args:
         model: The model passed to ``_load_pretrained_model`` (its first argument).
+        info: the leader's :func:`describe_loading_info`.
 
     Returns:
         transformers 5.x: ``(LoadStateDictInfo, None)``; 4.x: ``(model, missing_keys,
@@ -31,10 +69,16 @@ def loaded_from_leader(model: Any) -> Any:
     try:
         from transformers.utils.loading_report import LoadStateDictInfo
     except ImportError:  # transformers 4.x
-        return model, [], [], [], None, []
-    info = LoadStateDictInfo(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(),
-                             error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
-    return info, None
+        return (model, list(info["missing_keys"]), list(info["unexpected_keys"]),
+                list(info["mismatched_keys"]), None, list(info["error_msgs"]))
+    import torch
+
+    loaded = LoadStateDictInfo(
+        missing_keys=set(info["missing_keys"]), unexpected_keys=set(info["unexpected_keys"]),
+        mismatched_keys={(k, torch.Size(a), torch.Size(b)) for k, a, b in info["mismatched_keys"]},
+        error_msgs=list(info["error_msgs"]), conversion_errors=dict(info["conversion_errors"]),
+        skipped_pp_keys=set(info["skipped_pp_keys"]))
+    return loaded, None
 
 
 def config_base() -> type:

@@ -52,7 +52,7 @@ def main_process_first(scope: str = "node") -> Iterator[bool]:
     call = _coordinate.call_key("main_process_first", {"site": site}, scope=scope,
                                 topology=topology, config=_state.config(),
                                 what=f"main_process_first at {site}")
-    role = _coordinate.claim(call)
+    call, role = _coordinate.claim(call)
     if role.lead:
         with _coordinate.leading(call):
             yield True

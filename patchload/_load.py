@@ -29,8 +29,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
-from .coordination.call import Mode, coordinated, current_mode
-from ._compat import loaded_from_leader
+from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
+from ._compat import describe_loading_info, initialized_by_follower, loaded_from_leader
 from .coordination.protocol import (Call, files_ready, node_leaders_call, pending_followers,
                           wait_followers_done)
 from ._patching import Patch
@@ -166,7 +166,8 @@ def _share(result: Any, call: Call, mode: Mode
 
     entries, unique = _entries(model)
     info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}",
-            "headers": mode.used.get("headers", {})}
+            "headers": mode.used.get("headers", {}),
+            "loading_info": mode.used.get("loading_info")}
     if call.scope == "job":  # a broadcast: to every rank, or to the other nodes' leaders
         payload, after = share_collective(call, unique)
         info.update(transport="collective", **payload)
@@ -247,12 +248,16 @@ def _release_at_exit() -> None:
         shm.release(descriptor)
 
 
-def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor]) -> None:
-    """Follower: put the leader's tensors into ``model`` under every name, ties included."""
+def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
+              skip: set[str]) -> None:
+    """Follower: put the leader's tensors into ``model`` under every name, ties included, but
+    those in ``skip`` (keys the follower initialises itself, as a plain load does)."""
     import torch
 
     params: dict[int, torch.nn.Parameter] = {}
     for name, kind, index, requires_grad in entries:
+        if name in skip:
+            continue
         module, attribute = _owner(model, name)
         if kind == "param":
             if index not in params:
@@ -266,46 +271,83 @@ def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor])
             module._buffers[attribute] = tensors[index]
 
 
+def _check_structure(model: Any, entries: list[list[Any]], metas: list[Any],
+                     skip: set[str]) -> None:
+    """Follower: the leader's tensors must fit this rank's model name by name (shape and dtype).
+
+    Raises:
+        VerificationFailed: a name, shape or dtype differs.
+    """
+    mine = dict(_named_tensors(model))
+    theirs = {e[0] for e in entries}
+    if set(mine) != theirs:
+        extra = sorted(set(mine) ^ theirs)[:3]
+        raise VerificationFailed(f"the leader's model has other tensors than this rank's "
+                                 f"{type(model).__name__} (first differing names: {extra})")
+    for name, _, index, _ in entries:
+        meta, tensor = metas[index], mine[name]
+        dtypes = [str(d).removeprefix("torch.") for d in (meta.dtype, tensor.dtype)]
+        if name not in skip and (tuple(meta.shape) != tuple(tensor.shape)
+                                 or dtypes[0] != dtypes[1]):
+            raise VerificationFailed(
+                f"{name}: {dtypes[0]}{tuple(meta.shape)} on the leader, "
+                f"{dtypes[1]}{tuple(tensor.shape)} on this rank")
+
+
 def receive(mode: Mode, model: Any) -> bool:
     """Follower, in place of the checkpoint-reading step: put the leader's tensors (shared
     memory or collective, as the leader published) into ``model``, whose parameters may be on
-    the meta device. Returns False (and changes nothing) when there are no weights to receive or
-    they do not apply (other tensor names, a leader that is gone, not a broadcast member): the
-    caller then reads the checkpoint itself."""
+    the meta device, but those the leader initialised rather than read (missing keys): transformers
+    initialises them on this rank afterwards, as in a plain load.
+
+    Returns False (and changes nothing) when there are no weights to receive or they cannot be
+    had (a leader that is gone, not a broadcast member, an attach that fails; logged as a
+    warning): the caller then reads the checkpoint itself.
+
+    Raises:
+        VerificationFailed: this rank's call resolved other files than the leader's, or its
+            model's tensors differ from the leader's in name, shape or dtype.
+    """
     weights = mode.payload.get("weights")
     if not weights or "received" in mode.used:
         return False
-    entries = weights["entries"]
-    names = [name for name, _ in _named_tensors(model)]
-    if sorted(names) != sorted(e[0] for e in entries):
-        logger.warning("the leader's model has other tensors than this rank's %s: loading this "
-                       "rank's weights from the checkpoint", type(model).__name__)
+    verify_so_far(mode)
+    skip = initialized_by_follower(weights.get("loading_info") or {})
+    if skip is None:  # this transformers line initialises them inside the replaced step
         return False
+    entries = weights["entries"]
     from ._broadcast import receive_collective
-    from .transport import shm
+    from .transport import TensorMeta, TransportError, meta_of, shm
 
     if weights["transport"] == "collective":
+        _check_structure(model, entries, [TensorMeta.from_json(m) for m in weights["metas"]],
+                         skip)
         tensors = receive_collective(weights)
         if tensors is None:  # not a member of the leader's broadcast: load plainly
             return False
     else:
         try:
             tensors = shm.attach(weights["descriptor"])
-        except shm.LeaderGoneError as err:
-            logger.warning("%s; loading this rank's weights from the checkpoint", err)
+        except TransportError as err:
+            logger.warning("%s: cannot map the leader's shared weights (%s): loading this rank's "
+                           "weights from the checkpoint", mode.call.prefix(), err)
             return False
-    _assemble(model, entries, tensors)
-    mode.used["received"] = (entries, tensors)
+        _check_structure(model, entries, [meta_of(t) for t in tensors], skip)
+    _assemble(model, entries, tensors, skip)
+    mode.used["received"] = (entries, tensors, skip)
     return True
 
 
 def _settle(result: Any, mode: Mode) -> Any:
     """Follower, after the original call returned: re-point every tensor at the leader's bytes
-    (transformers re-creates non-persistent buffers after loading; their values must match)."""
+    (transformers re-creates non-persistent buffers after loading; their values must match),
+    but those this rank initialised itself."""
     model = _model_of(result)
     if model is not None and "received" in mode.used:
-        entries, tensors = mode.used["received"]
+        entries, tensors, skip = mode.used["received"]
         for name, kind, index, _ in entries:
+            if name in skip:
+                continue
             module, attribute = _owner(model, name)
             if kind == "buffer":
                 module._buffers[attribute] = tensors[index]
@@ -409,11 +451,14 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
         def share(result: Any, call: Call, mode: Mode
                   ) -> tuple[dict[str, Any], Callable[[], None] | None]:
             node_mode.used.setdefault("headers", {}).update(mode.used.get("headers", {}))
+            node_mode.used["loading_info"] = mode.used.get("loading_info")
             return _share(result, call, mode)
 
         def settle(result: Any, mode: Mode) -> Any:
-            headers = (mode.payload.get("weights") or {}).get("headers", {})
-            node_mode.used.setdefault("headers", {}).update(headers)
+            weights = mode.payload.get("weights") or {}
+            node_mode.used.setdefault("headers", {}).update(weights.get("headers", {}))
+            # What this node's followers initialise themselves: what the reading leader did.
+            node_mode.used["loading_info"] = weights.get("loading_info")
             return _settle(result, mode)
 
         return coordinated(name, wrapped, args, kwargs, what=what, share=share, settle=settle,
@@ -425,14 +470,28 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
 def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                            kwargs: dict[str, Any]) -> Any:
     mode = current_mode()
-    if mode is not None and mode.lead and mode.loads_model:
-        files_ready(mode.call)  # every checkpoint file is in the cache by now
-    if mode is None or mode.lead:
+    if mode is None or not mode.loads_model:
         return wrapped(*args, **kwargs)
+    if mode.lead:
+        files_ready(mode.call)  # every checkpoint file is in the cache by now
+        result = wrapped(*args, **kwargs)
+        mode.used["loading_info"] = describe_loading_info(result)
+        return result
     model = args[0] if args else kwargs.get("model")
     if not receive(mode, model):
         return wrapped(*args, **kwargs)
-    return loaded_from_leader(model)
+    return loaded_from_leader(model, mode.payload["weights"]["loading_info"])
+
+
+def _offline_on_followers(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> Any:
+    """``is_offline_mode`` as ``transformers.modeling_utils`` sees it: True inside a follower's
+    call, so that no background request starts there (the safetensors auto-conversion thread of
+    a ``.bin`` checkpoint); the leader's answer otherwise."""
+    mode = current_mode()
+    if mode is not None and not mode.lead:
+        return True
+    return wrapped(*args, **kwargs)
 
 
 def _auto_classes(module: Any) -> list[str]:
@@ -453,4 +512,5 @@ def load_patches() -> list[Patch]:
         Patch("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model",
               _load_pretrained_model),
         Patch("transformers.modeling_utils", "load_state_dict", _load_state_dict),
+        Patch("transformers.modeling_utils", "is_offline_mode", _offline_on_followers),
     ]

@@ -298,8 +298,10 @@ def step_records(job: Job, step: str) -> dict[int, dict[str, Any]]:
 
 
 def check_same_error_everywhere(job: Job, step: str, within_s: float = 10.0) -> dict[int, Any]:
-    """Every rank raised the same class; one of them is the leader (the original exception),
-    the others are followers naming it; all raised within ``within_s`` of the leader."""
+    """Every rank raised the same class; the ranks that waited on an attempt are followers naming
+    its leader (the original exception); a rank that arrived after an attempt had failed led an
+    attempt of its own (its own request, the same error, as a plain call); all raised within
+    ``within_s`` of the first leader."""
     errors = {}
     for rank, report in sorted(job.ranks.items()):
         record = report["steps"][step]
@@ -308,13 +310,16 @@ def check_same_error_everywhere(job: Job, step: str, within_s: float = 10.0) -> 
     types = {e["type"] for e in errors.values()}
     assert len(types) == 1, f"{step}: classes differ: { {r: e['type'] for r, e in errors.items()} }"
     leaders = [r for r, e in errors.items() if not e["follower"]]
-    assert len(leaders) == 1, f"{step}: leaders {leaders}: {errors}"
-    leader = leaders[0]
-    original = errors[leader]
+    assert leaders, f"{step}: no leader: {errors}"
+    assert all(errors[r]["message"] == errors[leaders[0]]["message"] for r in leaders), errors
+    first = min(leaders, key=lambda r: errors[r]["t_raised"])
     for rank, error in errors.items():
-        if rank == leader:
+        if rank in leaders:
+            assert error["t_raised"] - errors[first]["t_raised"] < within_s, (step, rank, error)
             continue
-        assert error["leader_rank"] == leader, (step, rank, error)
+        leader = error["leader_rank"]
+        assert leader in leaders, (step, rank, error)
+        original = errors[leader]
         assert f"leader rank {leader}" in error["message"], error["message"]
         assert original["message"][:200] in error["message"], (original, error)
         # except clauses written for the plain call still catch it

@@ -314,10 +314,11 @@ def test_leader_error_reaches_every_rank(step: str, request: pytest.FixtureReque
     # within 10 s of the leader (checked above).
     limit_s = 10.0 if step in FAST_FAILURES else 120.0
     assert max(e["elapsed_s"] for e in errors.values()) < limit_s, errors
-    # Followers never touch the network: the leader alone made the step's requests.
+    # Followers never touch the network: the leaders alone made the step's requests (a rank
+    # that arrived after an attempt failed leads one of its own, as its plain call would).
     window = job.window(step)
-    leader = next(r for r, e in errors.items() if not e["follower"])
-    assert _ranks_with_requests(window) <= {leader}, window
+    leaders = {r for r, e in errors.items() if not e["follower"]}
+    assert _ranks_with_requests(window) <= leaders, window
     if step == "closed_port_model":
         assert window == []  # nothing reached the hub
     else:

@@ -1,41 +1,50 @@
-"""Coordinated top-level calls: the leader runs the real call, followers rerun it from the cache.
+"""One coordinated call of a patched function: the leader runs it, followers verify and rerun it.
 
 Every patched entry point (``hf_hub_download``, ``snapshot_download``, ``from_pretrained`` of
 configs, tokenizers, processors, models and the Auto classes) goes through :func:`coordinated`.
-The outermost patched call of a thread is the one coordinated: its leader runs the original call,
-which downloads whatever it needs (revision resolution, metadata calls, files); its followers wait
-for the leader's outcome and then run the same original call with ``local_files_only=True``, so
-they make no HTTP request at all. Patched calls nested inside run as they are, except that inside
-a follower they are forced offline, and inside a node-scoped leader (weights shared per node) the
-hub downloads are coordinated among node leaders at the job's download scope.
+The outermost patched call of a thread is the one coordinated (threads that a coordinated call
+starts through a ``ThreadPoolExecutor`` count as inside it).
+
+- The **leader** runs the original call (which downloads what it needs) and publishes the outcome,
+  pinned to what it used: every hub file it resolved (commit, blob, size) and a fingerprint of
+  every local path among its arguments.
+- A **follower** waits for that outcome, then reruns the same call from its own cache
+  (``local_files_only=True``; nested calls offline; library background requests off), recording
+  the files it resolves. It uses the result only when those files are the leader's; otherwise, or
+  when the rerun fails where the leader succeeded, it warns and makes a **plain call** (online,
+  nothing patched inside), after restoring the random-number state it had before the rerun.
+- A call whose arguments cannot be rendered (:mod:`.key`) is not matched across ranks: it runs as
+  it is, and the hub calls inside it are coordinated one by one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-import inspect
+import dataclasses
 import logging
-import re
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Final
+from typing import Any, Callable, Final, Iterator
 
 from .. import _state
+from .._topology import current_topology
 from . import protocol as _coordinate
+from .key import Unrenderable, deciding_arguments
 from .scope import download_scope
 from .store import job_store
-from .._topology import current_topology
 
-__all__ = ["Mode", "current_mode", "coordinated", "deciding_arguments"]
+__all__ = ["Mode", "VerificationFailed", "context_patches", "current_mode", "coordinated",
+           "plain", "record_hub_result", "verify_so_far"]
 
 logger = logging.getLogger(__name__)
 
-# Arguments that never change what a call returns, or differ per rank without meaning.
-_VOLATILE: Final = frozenset({
-    "token", "use_auth_token", "tqdm_class", "user_agent", "headers", "proxies", "etag_timeout",
-    "library_name", "library_version", "max_workers", "resume_download", "local_files_only",
-    "force_download", "_from_auto", "_from_pipeline", "_commit_hash",
-})
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_FINGERPRINT_MAX_FILES: Final = 10_000
+_HUB_DOWNLOADS: Final = ("hf_hub_download", "snapshot_download")
+
+
+class VerificationFailed(Exception):
+    """A follower's rerun resolved other files than its leader (stale or partial cache)."""
 
 
 @dataclass(frozen=True)
@@ -44,9 +53,11 @@ class Mode:
 
     Attributes:
         lead: True on the leader, False on a follower.
-        used: per-call scratch space for nested wrappers (e.g. whether weights were received).
+        call: the enclosing coordinated call (one attempt of it).
         loads_model: the enclosing call loads model weights (it shares them on the leader).
-        call: the enclosing coordinated call.
+        used: per-call scratch space for nested wrappers (weights received, headers read).
+        pins: the hub files this rank's call resolved: ``{"<type>:<repo>:<path>": [commit,
+            blob, size]}``, or ``None`` for a file found absent.
         payload_of: followers: returns the leader's published payload (see :attr:`payload`).
     """
 
@@ -54,6 +65,7 @@ class Mode:
     call: _coordinate.Call
     loads_model: bool = False
     used: dict[str, Any] = field(default_factory=dict)
+    pins: dict[str, Any] = field(default_factory=dict)
     payload_of: Callable[[], dict[str, Any]] | None = None
 
     @property
@@ -65,27 +77,123 @@ class Mode:
 
 
 _MODE: contextvars.ContextVar[Mode | None] = contextvars.ContextVar("patchload_mode", default=None)
+# True inside a plain call: every patched function inside runs as if unpatched.
+_PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("patchload_plain", default=False)
+# True inside a snapshot download: its files are pinned by the snapshot's commit (offline, a
+# follower's snapshot_download resolves the folder without a call per file).
+_IN_SNAPSHOT: contextvars.ContextVar[bool] = contextvars.ContextVar("patchload_in_snapshot",
+                                                                    default=False)
 
 
 def current_mode() -> Mode | None:
-    """The mode of the enclosing coordinated call in this thread, or None at top level."""
-    return _MODE.get()
+    """The mode of the enclosing coordinated call in this thread, or None at top level and
+    inside a plain call."""
+    return None if _PLAIN.get() else _MODE.get()
 
 
-def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The arguments that decide a call's result, by parameter name (so positional and keyword
-    spellings agree across ranks), as stable strings (no object addresses)."""
+@contextlib.contextmanager
+def plain() -> Iterator[None]:
+    """Run the block as without patchload: patched functions inside pass straight through."""
+    token = _PLAIN.set(True)
     try:
-        signature = inspect.signature(wrapped)
-        named = dict(signature.bind_partial(*args, **kwargs).arguments)
-        for name, param in signature.parameters.items():
-            if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
-                named.update(named.pop(name))
-    except (TypeError, ValueError):  # no signature, or arguments that do not bind
-        named = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
-    return {k: _ADDRESS.sub("", repr(v)) for k, v in named.items() if k not in _VOLATILE}
+        yield
+    finally:
+        _PLAIN.reset(token)
 
+
+def _carry_context(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+    """``ThreadPoolExecutor.submit``: inside a coordinated call, the task runs in a copy of the
+    submitter's context, so the hub calls of a library's worker pool (``snapshot_download``'s
+    file downloads) are nested in the call that started them."""
+    if _MODE.get() is None and not _PLAIN.get():
+        return wrapped(*args, **kwargs)
+    fn, *rest = args
+    return wrapped(contextvars.copy_context().run, fn, *rest, **kwargs)
+
+
+def context_patches() -> list[Any]:
+    """The patch that carries a coordinated call's context into worker threads."""
+    from .._patching import Patch
+
+    return [Patch("concurrent.futures.thread", "ThreadPoolExecutor.submit", _carry_context)]
+
+
+# --- pins: what a call used ------------------------------------------------------------------
+
+def _pin_of(path: str) -> list[Any] | None:
+    """``[commit, blob, size]`` of a file or snapshot folder a hub function returned."""
+    real = os.path.realpath(path)
+    parts = os.path.normpath(path).split(os.sep)
+    commit = parts[parts.index("snapshots") + 1] if "snapshots" in parts[:-1] else ""
+    try:
+        if os.path.isdir(real):  # a snapshot: its commit (files may be added to it later)
+            return [commit, "snapshot"]
+        return [commit, os.path.basename(real), os.path.getsize(real)]
+    except OSError:
+        return None
+
+
+def record_hub_result(mode: Mode, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      result: Any) -> None:
+    """Record in ``mode.pins`` the file (or snapshot) a nested hub call resolved, or None for a
+    file it found absent (``result`` is the exception)."""
+    repo = kwargs.get("repo_id", args[0] if args else None)
+    filename = kwargs.get("filename", args[1] if len(args) > 1 else None) \
+        if name == "hf_hub_download" else "*"
+    subfolder = kwargs.get("subfolder") or ""
+    repo_type = kwargs.get("repo_type") or "model"
+    key = f"{repo_type}:{repo}:{subfolder + '/' if subfolder else ''}{filename}"
+    mode.pins[key] = _pin_of(result) if isinstance(result, (str, os.PathLike)) else None
+
+
+def _fingerprint(path: str) -> list[Any]:
+    """Names, sizes and modification times of the files under a local directory (bounded), or
+    of one file: what a follower compares before taking a leader's result for a local path."""
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return [[os.path.basename(path), st.st_size, st.st_mtime_ns]]
+    entries = []
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue
+            entries.append([os.path.relpath(full, path), st.st_size, st.st_mtime_ns])
+            if len(entries) >= _FINGERPRINT_MAX_FILES:
+                return entries
+    return entries
+
+
+def _local_paths(deciding: dict[str, str]) -> dict[str, Any]:
+    return {name: _fingerprint(text[len("path:"):]) for name, text in deciding.items()
+            if text.startswith("path:")}
+
+
+def _differences(mine: dict[str, Any], leader: dict[str, Any]) -> list[str]:
+    """How this rank's pins differ from the leader's (empty: they agree): a file both resolved,
+    at another commit or blob, or present on one side and absent on the other. A file only one
+    side asked for is not compared: transformers answers some from the cache without a hub call
+    once a commit is pinned, and the leader makes online checks a follower skips."""
+    return [f"{key}: {value!r} here, {leader[key]!r} on the leader"
+            for key, value in sorted(mine.items()) if key in leader and leader[key] != value]
+
+
+def verify_so_far(mode: Mode) -> None:
+    """Follower: check that every file its call has resolved so far is the leader's.
+
+    Raises:
+        VerificationFailed: a file differs (another commit or blob, or absent on one side).
+    """
+    differences = _differences(mode.pins, mode.payload.get("pins", {}))
+    if differences:
+        raise VerificationFailed("; ".join(differences[:3]))
+
+
+# --- the coordinated call --------------------------------------------------------------------
 
 def _offline(kwargs: dict[str, Any]) -> dict[str, Any]:
     offline = {**kwargs, "local_files_only": True}
@@ -94,31 +202,122 @@ def _offline(kwargs: dict[str, Any]) -> dict[str, Any]:
     return offline
 
 
-def _cache_miss(err: BaseException) -> bool:
-    from huggingface_hub.errors import LocalEntryNotFoundError
+def _rng_state() -> Any:
+    import sys
 
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, LocalEntryNotFoundError):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.random.get_rng_state()
 
 
-def _offline_or_online(wrapped: Callable[..., Any], args: tuple[Any, ...],
-                       kwargs: dict[str, Any], call: _coordinate.Call,
-                       offline_kwarg: bool) -> Any:
-    """Follower: rerun the call from the cache; if the cache lacks what the leader fetched (it
-    is not the cache the leader wrote to), warn and make the call online."""
+def _set_rng_state(state: Any) -> None:
+    if state is not None:
+        import torch
+
+        torch.random.set_rng_state(state)
+
+
+@dataclass
+class _Coordinated:
+    """One patched call on this rank, with what it needs to lead, follow or run plainly.
+
+    Attributes:
+        name: the patched function's name (part of the call key).
+        wrapped: the original function.
+        args, kwargs: the caller's arguments, passed through untouched on the leader.
+        what: human-readable description for logs and errors.
+        share: run by the leader on the result; returns extra payload (weights) and a step to run
+            once the payload is published (or None).
+        settle: run by a follower on its result before returning it.
+        lead_with: what the leader runs in place of ``wrapped`` (same arguments).
+        offline_kwarg: a follower reruns the call with ``local_files_only=True``.
+        local: fingerprints of the local paths among the arguments.
+    """
+
+    name: str
+    wrapped: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    what: str
+    share: Callable[[Any, _coordinate.Call, Mode],
+                    tuple[dict[str, Any], Callable[[], None] | None]] | None = None
+    settle: Callable[[Any, Mode], Any] | None = None
+    lead_with: Callable[..., Any] | None = None
+    offline_kwarg: bool = True
+    local: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def lead(self, call: _coordinate.Call
+             ) -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
+        mode = Mode(lead=True, call=call, loads_model=self.share is not None)
+        result = self._run(mode, self.lead_with or self.wrapped, self.kwargs)
+        payload, after = self.share(result, call, mode) if self.share is not None else ({}, None)
+        return result, {**payload, "pins": mode.pins, "local": self.local}, after
+
+    def follow(self, call: _coordinate.Call, role: _coordinate.Role,
+               payload: Callable[[], dict[str, Any]]) -> Any:
+        leader_failure: list[BaseException] = []
+
+        def leader_payload() -> dict[str, Any]:
+            try:
+                return payload()
+            except BaseException as err:
+                leader_failure.append(err)
+                raise
+
+        mode = Mode(lead=False, call=call, payload_of=leader_payload,
+                    loads_model=self.share is not None)
+        rng = _rng_state()
+        kwargs = _offline(self.kwargs) if self.offline_kwarg else self.kwargs
+        try:
+            if self.local:
+                self._check_local(mode)
+            result = self._run(mode, self.wrapped, kwargs)
+            differences = _differences(mode.pins, mode.payload.get("pins", {}))
+            if differences:
+                raise VerificationFailed("; ".join(differences[:3]))
+        except BaseException as err:
+            if leader_failure or not isinstance(err, Exception) or not _leader_succeeded(mode):
+                raise
+            return self._plain_after(call, role, err, rng)
+        return self.settle(result, mode) if self.settle is not None else result
+
+    def _check_local(self, mode: Mode) -> None:
+        theirs = mode.payload.get("local", {})
+        for name, fingerprint in self.local.items():
+            if theirs.get(name) != fingerprint:
+                raise VerificationFailed(f"the local path {name}={self.kwargs.get(name, '')!s} "
+                                         "holds other files here than on the leader")
+
+    def _run(self, mode: Mode, function: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        outer = _MODE.get()
+        token = _MODE.set(mode)
+        snapshot = _IN_SNAPSHOT.set(self.name == "snapshot_download")
+        try:
+            result = function(*self.args, **kwargs)
+        finally:
+            _IN_SNAPSHOT.reset(snapshot)
+            _MODE.reset(token)
+            if outer is not None:  # the enclosing call used what this one used
+                outer.pins.update(mode.pins)
+        if self.name in _HUB_DOWNLOADS:  # a hub download pins what it returned
+            record_hub_result(mode, self.name, self.args, kwargs, result)
+        return result
+
+    def _plain_after(self, call: _coordinate.Call, role: _coordinate.Role, err: Exception,
+                     rng: Any) -> Any:
+        logger.warning("%s: cannot use the leader's result on this rank (%s: %s): making the "
+                       "call plainly here", call.prefix(role.leader_rank), type(err).__name__,
+                       err)
+        _set_rng_state(rng)  # the rerun may have drawn random numbers a plain call draws once
+        with plain():
+            return self.wrapped(*self.args, **self.kwargs)
+
+
+def _leader_succeeded(mode: Mode) -> bool:
     try:
-        return wrapped(*args, **(_offline(kwargs) if offline_kwarg else kwargs))
-    except OSError as err:
-        if not _cache_miss(err):
-            raise
-        logger.warning("%s: the leader succeeded but this rank's cache lacks its files (%s): "
-                       "downloading here; set PATCHLOAD_DOWNLOAD_SCOPE=node if caches are "
-                       "node-local", call.prefix(), err)
-        return wrapped(*args, **kwargs)
+        mode.payload  # noqa: B018 - waits for the outcome; raises the leader's failure
+    except Exception:  # noqa: BLE001 - a failed leader: the follower's own error stands
+        return False
+    return True
 
 
 def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
@@ -152,73 +351,93 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             that raises TypeError); their nested hub calls are still made offline.
 
     Returns:
-        The original call's result on this rank.
+        The original call's result on this rank: the same as a plain call's.
 
     Raises:
-        The leader's exception, on every rank of the scope (see
+        The leader's exception, on every rank of the scope that waited for that attempt (see
         :func:`patchload.coordination.protocol.leader_first`).
     """
-    mode = _MODE.get()
-    topology = current_topology()
-    if not topology.distributed or not _state.active():
+    if _PLAIN.get() or not _state.active() or not current_topology().distributed:
         return wrapped(*args, **kwargs)
+    mode = _MODE.get()
+    hub = name in _HUB_DOWNLOADS
+    deciding: dict[str, str] = {}
     if call is None:
-        call = _call_of(name, wrapped, args, kwargs, what=what, scope=scope,
-                        shares=share is not None)
-        if call is None:
-            return _nested(mode, wrapped, args, kwargs)
-    lead_call = lead_with or wrapped
-
-    def lead() -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
-        mode = Mode(lead=True, call=call, loads_model=share is not None)
-        token = _MODE.set(mode)
+        # A model load nested in a call that loads no model itself (a sentence-transformers
+        # model, a pipeline) is coordinated on its own, so that its weights are still shared.
+        nested = mode is not None and not (share is not None and not mode.loads_model)
+        if nested and not mode.lead:
+            return _nested(mode, name, wrapped, args, kwargs)  # a follower reruns it offline
+        if nested and not (mode.call.scope == "node" and share is None and download_scope(
+                _state.config(), current_topology(), job_store()) == "job"):
+            return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **kwargs))
+        # Top level, or (job-scoped downloads) nested in a node leader's call: the node leaders
+        # coordinate it among themselves.
         try:
-            result = lead_call(*args, **kwargs)
-        finally:
-            _MODE.reset(token)
-        payload, after = share(result, call, mode) if share is not None else ({}, None)
-        return result, payload, after
-
-    def follow(role: _coordinate.Role, payload: Callable[[], dict[str, Any]]) -> Any:
-        mode = Mode(lead=False, call=call, payload_of=payload,
-                    loads_model=share is not None)
-        token = _MODE.set(mode)
-        try:
-            result = _offline_or_online(wrapped, args, kwargs, call, offline_kwarg)
-        finally:
-            _MODE.reset(token)
-        return settle(result, mode) if settle is not None else result
-
+            call, deciding = _call_of(name, wrapped, args, kwargs, what=what, scope=scope)
+        except Unrenderable as err:
+            logger.info("%s: not coordinated (%s): every rank makes this call itself", what, err)
+            token = _MODE.set(None)  # hub calls inside are coordinated one by one
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                _MODE.reset(token)
+    one = _Coordinated(name, wrapped, args, kwargs, what, share, settle, lead_with,
+                       offline_kwarg, _local_paths(deciding))
     # A model load's followers build their model while the leader loads; they wait for its
     # weights (the outcome) when they need them.
-    return _coordinate.leader_first(call, lead, follow, early=share is not None)
+    return _recorded(mode, name, args, kwargs, lambda: _coordinate.leader_first(
+        call, one.lead, one.follow, early=share is not None))
 
 
-def _nested(mode: Mode, wrapped: Callable[..., Any], args: tuple[Any, ...],
+def _recorded(mode: Mode | None, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              run: Callable[[], Any]) -> Any:
+    """``run()``; inside a coordinated call, a hub download's file (or absence) is recorded."""
+    if mode is None or name not in _HUB_DOWNLOADS or _IN_SNAPSHOT.get():
+        return run()
+    token = _IN_SNAPSHOT.set(name == "snapshot_download")
+    try:
+        result = run()
+    except Exception as err:
+        record_hub_result(mode, name, args, kwargs, err)
+        raise
+    finally:
+        _IN_SNAPSHOT.reset(token)
+    record_hub_result(mode, name, args, kwargs, result)
+    return result
+
+
+def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:
-    """A patched call nested in a coordinated one that covers it."""
-    if mode.lead:
-        return wrapped(*args, **kwargs)
-    return wrapped(*args, **_offline(kwargs))  # a follower rerunning from the cache
+    """A patched call nested in a follower's coordinated call: made offline (and a hub
+    download recorded, to be verified against the leader's)."""
+    return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **_offline(kwargs)))
+
+
+def _cache_dir(kwargs: dict[str, Any]) -> str:
+    from huggingface_hub import constants
+
+    from .identity import cache_identity
+
+    return cache_identity(kwargs.get("cache_dir") or constants.HF_HUB_CACHE)
 
 
 def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
-             kwargs: dict[str, Any], *, what: str, scope: str | None,
-             shares: bool) -> _coordinate.Call | None:
-    """The call to coordinate, or None when the enclosing coordinated call covers this one."""
-    mode = _MODE.get()
+             kwargs: dict[str, Any], *, what: str, scope: str | None
+             ) -> tuple[_coordinate.Call, dict[str, str]]:
+    """The call to coordinate and its rendered arguments.
+
+    Raises:
+        Unrenderable: an argument has no stable rendering (the call is not matched).
+    """
     topology = current_topology()
     config = _state.config()
-    # A model load nested in a call that loads no model itself (a sentence-transformers model, a
-    # pipeline) is coordinated on its own, so that its weights are still shared.
-    own_weights = shares and (mode is None or not mode.loads_model)
-    if mode is not None and not mode.lead and not own_weights:
-        return None  # a follower: it reruns everything from the cache
-    store = job_store()
-    hub_scope = download_scope(config, topology, store)
-    if mode is not None and mode.lead and not own_weights and not (
-            mode.call.scope == "node" and hub_scope == "job" and not shares):
-        return None  # nested inside a leader: its own call covers this one
-    return _coordinate.call_key(name, deciding_arguments(wrapped, args, kwargs),
-                                scope=scope or hub_scope, topology=topology, config=config,
-                                what=what)
+    deciding = deciding_arguments(wrapped, args, kwargs)
+    # Ranks whose caches differ never share a call: each would read another cache than its own.
+    deciding["__cache__"] = _cache_dir(kwargs)
+    # Decided by every rank at its first top-level call, whatever this call's scope: rank 0's
+    # decision is what the others wait for.
+    hub_scope = download_scope(config, topology, job_store())
+    call = _coordinate.call_key(name, deciding, scope=scope or hub_scope, topology=topology,
+                                config=config, what=what)
+    return call, deciding

@@ -4,7 +4,7 @@ For one *call key* (function, deciding arguments, occurrence count), the first r
 to claim the key in the store (``compare_set``) is the leader: it runs the call and publishes the
 *outcome* as JSON: success with a payload, or its exception (class, message, rank). The other ranks
 (followers) wait for the outcome, bounded by ``PATCHLOAD_TIMEOUT``, while watching the leader's
-heartbeat and, on the same host, its pid; then they act on the payload or raise the leader's
+heartbeat and, on the same node, its pid; then they act on the payload or raise the leader's
 exception. Nothing read from the store is ever unpickled or executed.
 
 Ranks that call out of step, alone, or with other arguments never wait for a leader that will not
@@ -16,22 +16,21 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import hashlib
+import dataclasses
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Final, Iterator, TypeVar
 
-import psutil
-
 from .._config import Config
 from .._errors import LeaderFailedError, PatchloadTimeout, describe_exception, follower_exception
-from .store import JobStore, job_store
 from .._topology import Topology
+from .identity import node_id, process_alive
+from .key import digest
+from .store import JobStore, job_store
 
 __all__ = ["Call", "Role", "call_key", "claim", "files_ready", "gone_ranks", "leader_first",
            "leading", "node_leaders_call", "pending_followers", "publish", "raise_failure",
@@ -44,7 +43,6 @@ T = TypeVar("T")
 _POLL_MIN_S: Final = 0.01
 _POLL_MAX_S: Final = 0.05  # a follower starts within 50 ms of the outcome
 _PROGRESS_EVERY_S: Final = 30.0
-_HOST: Final = socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -52,7 +50,8 @@ class Call:
     """One patched call, as matched across ranks.
 
     Attributes:
-        key: store key prefix unique to this call in this job and scope.
+        key: store key prefix unique to this call in this job and scope; after :func:`claim`,
+            to one attempt of it (``.../a<n>/``).
         what: human-readable description for messages, e.g. ``hf_hub_download('org/m', 'a.json')``.
         scope: ``node`` or ``job``: which ranks share the leader.
         topology: this rank's topology when the call was made.
@@ -94,9 +93,10 @@ def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topol
         The call, whose key also counts how many times this process made a call with the same
         name and arguments (so the n-th call on one rank meets the n-th call on the others).
     """
-    digest = hashlib.sha1(repr((name, sorted(deciding.items()))).encode()).hexdigest()[:20]
-    where = f"node{topology.node}" if scope == "node" else "job"
-    base = f"{where}/{name}/{digest}"
+    # A node is a kernel and PID namespace (identity.node_id), not the launcher's node index: ranks
+    # the launcher calls one node may sit on two hosts (srun + mp.spawn with a hand-made group).
+    where = "node-" + digest("node", {"id": node_id()}) if scope == "node" else "job"
+    base = f"{where}/{name}/{digest(name, deciding)}"
     with _COUNTS_LOCK:
         count = _COUNTS[base]
         _COUNTS[base] += 1
@@ -124,20 +124,40 @@ class Role:
     lead: bool
     leader_rank: int
     leader_pid: int
-    leader_host: str
+    leader_node: str
 
 
-def claim(call: Call) -> Role:
-    """Claim the leadership of ``call``, or learn who holds it. Not collective; never waits.
+def claim(call: Call) -> tuple[Call, Role]:
+    """Claim the leadership of ``call``'s current attempt, or learn who holds it. Not
+    collective; never waits.
+
+    An **attempt** is one run of the call by one leader. A rank that arrives after an attempt
+    failed (its error outcome is published) was not waiting on it: it starts the next attempt
+    instead of inheriting that error (a rank-0-only probe, a transient error before a retry).
 
     Returns:
-        The role: ``lead=True`` if this rank is the first of its scope to claim the key.
+        The attempt (``call`` with its key narrowed to ``.../a<n>/``) and this rank's role in it:
+        ``lead=True`` if this rank is the first of its scope to claim it.
     """
-    me = json.dumps({"rank": call.topology.rank, "pid": os.getpid(), "host": _HOST})
-    with call.store.lock:
-        holder = call.store.store.compare_set(call.key + "leader", "", me).decode()
-    info = json.loads(holder)
-    return Role(holder == me, int(info["rank"]), int(info["pid"]), str(info["host"]))
+    me = json.dumps({"rank": call.topology.rank, "pid": os.getpid(), "node": node_id()})
+    attempt = 0
+    while True:
+        narrowed = dataclasses.replace(call, key=f"{call.key}a{attempt}/")
+        with call.store.lock:
+            holder = call.store.store.compare_set(narrowed.key + "leader", "", me).decode()
+            failed = holder != me and _failed(narrowed)
+        if not failed:
+            info = json.loads(holder)
+            return narrowed, Role(holder == me, int(info["rank"]), int(info["pid"]),
+                                  str(info["node"]))
+        attempt += 1
+
+
+def _failed(call: Call) -> bool:
+    """Whether the attempt ``call`` has a published error outcome (caller holds the lock)."""
+    store = call.store.store
+    return bool(store.check([call.key + "outcome"])
+                and not json.loads(store.get(call.key + "outcome")).get("ok"))
 
 
 class _Heartbeat:
@@ -210,17 +230,8 @@ def publish(call: Call, outcome: dict[str, Any]) -> None:
         call.store.store.set(call.key + "outcome", json.dumps(outcome))
 
 
-def _process_alive(pid: int) -> bool:
-    """True while ``pid`` runs on this host; a zombie (dead, not yet reaped by its parent, e.g.
-    a launcher that has not noticed yet) counts as dead."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _leader_alive(call: Call, role: Role) -> bool:
-    return role.leader_host != _HOST or _process_alive(role.leader_pid)
+def _leader_alive(role: Role) -> bool:
+    return process_alive(role.leader_node, role.leader_pid)
 
 
 def files_ready(call: Call) -> None:
@@ -243,7 +254,7 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
         The outcome dict the leader published, or None (``or_files`` only).
 
     Raises:
-        LeaderFailedError: the leader's process is gone (same host), or its heartbeat stopped for
+        LeaderFailedError: the leader's process is gone (same node), or its heartbeat stopped for
             two ``PATCHLOAD_HEARTBEAT`` periods.
         PatchloadTimeout: no outcome within ``PATCHLOAD_TIMEOUT`` seconds.
     """
@@ -263,7 +274,7 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
             last_beat, last_beat_at = beat, now
         waited = now - start
         cause = None
-        if not _leader_alive(call, role):
+        if not _leader_alive(role):
             cause = f"its process (pid {role.leader_pid}) is gone"
         elif now - last_beat_at > 2 * cfg.heartbeat_s + 1.0:
             cause = f"no heartbeat for {now - last_beat_at:.0f} s"
@@ -324,8 +335,8 @@ def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
 
 
 def leader_first(call: Call,
-                 lead: Callable[[], tuple[T, dict[str, Any], Callable[[], None] | None]],
-                 follow: Callable[[Role, Callable[[], dict[str, Any]]], T], *,
+                 lead: Callable[[Call], tuple[T, dict[str, Any], Callable[[], None] | None]],
+                 follow: Callable[[Call, Role, Callable[[], dict[str, Any]]], T], *,
                  early: bool = False) -> T:
     """Run ``lead`` on the call's leader and ``follow`` on every other rank of its scope.
 
@@ -334,12 +345,12 @@ def leader_first(call: Call,
 
     Args:
         call: the call, from :func:`call_key`.
-        lead: run by the leader; returns (result, payload, after). The payload (JSON-able) is
+        lead: run by the leader with the attempt it leads; returns (result, payload, after). The payload (JSON-able) is
             published with the success outcome; ``after`` (or None) runs once it is published
             (e.g. a broadcast the followers join after reading the payload). An exception from
             ``after`` is logged, not raised: the leader's own result is already good.
-        follow: run by a follower with the leader's role and a function returning the leader's
-            payload: once the leader succeeded, or, with ``early``, as soon as the leader
+        follow: run by a follower with the attempt, the leader's role and a function returning
+            the leader's payload: once the leader succeeded, or, with ``early``, as soon as the leader
             announced its files (the function then waits for the outcome, and raises the
             leader's failure).
         early: let followers start once the leader's files are in the cache.
@@ -352,10 +363,10 @@ def leader_first(call: Call,
         leader's outcome (message naming the leader rank and quoting its message), or
         :class:`LeaderFailedError` / :class:`PatchloadTimeout` from :func:`wait_outcome`.
     """
-    role = claim(call)
+    call, role = claim(call)
     if role.lead:
         with leading(call) as done:
-            result, payload, after = lead()
+            result, payload, after = lead(call)
             done(payload)
             if after is not None:
                 try:
@@ -365,7 +376,8 @@ def leader_first(call: Call,
         return result
     logger.debug("%s: following", call.prefix(role.leader_rank))
     with call.store.lock:  # lets the leader see who is waiting
-        call.store.store.set(call.key + f"arrived/{call.topology.rank}", str(os.getpid()))
+        call.store.store.set(call.key + f"arrived/{call.topology.rank}",
+                             json.dumps({"pid": os.getpid(), "node": node_id()}))
     try:
         outcome = wait_outcome(call, role, or_files=early)
 
@@ -379,7 +391,7 @@ def leader_first(call: Call,
 
         if outcome is not None:
             payload()  # the leader failed: raise before following
-        return follow(role, payload)
+        return follow(call, role, payload)
     finally:
         with call.store.lock:
             call.store.store.set(call.key + f"done/{call.topology.rank}", "1")
@@ -411,8 +423,8 @@ def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
                 if not arrived_only:
                     pending.append(r)
                 continue
-            pid = int(call.store.store.get(call.key + f"arrived/{r}"))
-            if topology.node_of(r) == topology.node and not _process_alive(pid):
+            arrived = json.loads(call.store.store.get(call.key + f"arrived/{r}"))
+            if not process_alive(arrived["node"], int(arrived["pid"])):
                 continue
             pending.append(r)
     return pending
@@ -423,26 +435,28 @@ def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, 
     """The ranks among ``ranks`` that took part in the call ``key`` (its leader, or a follower
     that arrived) and whose process on this node has exited. Not collective.
 
-    Ranks on other hosts cannot be watched and are never counted. Waits up to ``settle_s``
+    Ranks on other nodes cannot be watched and are never counted. Waits up to ``settle_s``
     seconds for one to be found: a peer's broken connection is seen a moment before its
     process is gone.
 
     Returns:
         Their global ranks, ascending (empty when none is known to be gone).
     """
+    here = node_id()
     pids: dict[int, int] = {}
     with store.lock:
         if store.store.check([key + "leader"]):
             leader = json.loads(store.store.get(key + "leader"))
-            if leader["host"] == _HOST:
+            if leader["node"] == here:
                 pids[int(leader["rank"])] = int(leader["pid"])
         for r in ranks:
-            if (r not in pids and topology.node_of(r) == topology.node
-                    and store.store.check([key + f"arrived/{r}"])):
-                pids[r] = int(store.store.get(key + f"arrived/{r}"))
+            if r not in pids and store.store.check([key + f"arrived/{r}"]):
+                arrived = json.loads(store.store.get(key + f"arrived/{r}"))
+                if arrived["node"] == here:
+                    pids[r] = int(arrived["pid"])
     deadline = time.monotonic() + settle_s
     while True:
-        gone = sorted(r for r in ranks if r in pids and not _process_alive(pids[r]))
+        gone = sorted(r for r in ranks if r in pids and not process_alive(here, pids[r]))
         if gone or time.monotonic() > deadline:
             return gone
         time.sleep(0.05)

@@ -1,0 +1,86 @@
+"""Who is who: the job, the node, a process's liveness and a hub cache, decided here only.
+
+- **node**: the kernel (``/proc/sys/kernel/random/boot_id``) plus the PID namespace
+  (``/proc/self/ns/pid``). Two processes are on one node when both agree: only then can one see the
+  other's pid (liveness) or open its file descriptors through ``/proc`` (shared memory). A hostname
+  is not identity: containers with host networking share it across PID namespaces.
+- **job**: the launcher's run id (torchrun, SLURM, Open MPI / PMIx) plus the rendezvous address;
+  without any, the parent process and its start time.
+- **liveness**: a process on this node is alive while its pid exists and is not a zombie; a process
+  on another node cannot be watched here (its heartbeat speaks for it).
+- **cache**: a hub cache directory by real path, whatever variable named it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Final
+
+import psutil
+
+__all__ = ["cache_identity", "job_id", "node_id", "process_alive"]
+
+_BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
+
+
+def node_id() -> str:
+    """This process's node: ``<boot id>/<pid namespace inode>`` (a short stable string).
+
+    Falls back to the hostname's hash where ``/proc`` lacks either file (not Linux).
+    """
+    try:
+        boot = Path(_BOOT_ID).read_text().strip()
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        import socket
+
+        return "host-" + hashlib.sha1(socket.gethostname().encode()).hexdigest()[:16]
+    return f"{boot}/{pid_ns}"
+
+
+def process_alive(node: str, pid: int) -> bool:
+    """Whether process ``pid`` of ``node`` may still run.
+
+    True for a process on another node (it cannot be watched from here). On this node: False once
+    the pid is gone or a zombie (dead, not yet reaped by a launcher that has not noticed).
+    """
+    if node != node_id():
+        return True
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def job_id() -> str:
+    """What names this job run and no other, for namespacing store keys and node-local files.
+
+    The launcher's run id (with the restart count or step id) and ``MASTER_ADDR:MASTER_PORT``;
+    without a launcher id, the parent process (the launcher) and its start time.
+    """
+    env = os.environ
+    run = None
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid",
+                 "PMIX_NAMESPACE"):
+        if env.get(name):
+            attempt = env.get("TORCHELASTIC_RESTART_COUNT", "") + env.get("SLURM_STEP_ID", "")
+            run = f"{env[name]}.{attempt}"
+            break
+    if run is None:
+        parent = psutil.Process().parent()
+        run = f"pid{os.getpid()}" if parent is None else \
+            f"ppid{parent.pid}.{parent.create_time():.3f}"
+    master = f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+    return hashlib.sha1(f"{run}|{master}".encode()).hexdigest()[:16]
+
+
+def cache_identity(path: str | os.PathLike[str]) -> str:
+    """A hub cache directory's identity: its real path (symlinks of existing ancestors resolved),
+    so two names of one directory agree. Not its inode: a cold cache does not exist yet when the
+    first rank names it, and exists when the next one does. Never raises."""
+    try:
+        return os.path.realpath(os.path.expanduser(os.fspath(path)))
+    except (TypeError, ValueError, OSError):
+        return repr(path)

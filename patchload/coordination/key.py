@@ -1,0 +1,170 @@
+"""Call identity: the arguments that decide a patched call's result, rendered the same on every rank.
+
+Two ranks meet at one call only when their renderings are equal, so rendering is conservative:
+
+- by parameter name (positional and keyword spellings agree);
+- a string or path naming an existing local file or directory becomes its real absolute path
+  (``./ckpt`` in two working directories names two checkpoints);
+- containers recursively (sets sorted), configs by their ``to_dict()``, dtypes and devices by
+  name, tensors and modules by structure (names, shapes, dtypes), never by their values' bytes;
+- anything else that has no stable, bounded rendering (an object whose ``repr`` raises or names
+  an address, a callable, a very large value) makes the whole call **unrenderable**: it is then
+  not matched across ranks at all (the caller runs it plainly).
+
+Rendering never raises and its cost is bounded by ``_MAX_ITEMS`` items and ``_MAX_CHARS``
+characters per argument.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import re
+from typing import Any, Callable, Final
+
+__all__ = ["Unrenderable", "deciding_arguments", "digest"]
+
+_MAX_ITEMS: Final = 100_000
+_MAX_CHARS: Final = 1_000_000
+_ADDRESS: Final = re.compile(r" at 0x[0-9a-fA-F]+")
+
+# Arguments that never change what a call returns, or differ per rank without meaning.
+_VOLATILE: Final = frozenset({
+    "tqdm_class", "user_agent", "headers", "proxies", "etag_timeout", "library_name",
+    "library_version", "max_workers", "resume_download", "_from_auto", "_from_pipeline",
+    "_commit_hash",
+})
+# Credentials: identity by hash only (two users' tokens may see two different repos).
+_SECRETS: Final = frozenset({"token", "use_auth_token"})
+
+
+class Unrenderable(Exception):
+    """An argument has no stable, bounded rendering; the call is not matched across ranks."""
+
+
+class _Budget:
+    def __init__(self) -> None:
+        self.items = 0
+
+    def spend(self) -> None:
+        self.items += 1
+        if self.items > _MAX_ITEMS:
+            raise Unrenderable(f"more than {_MAX_ITEMS} items")
+
+
+def _path_or_str(value: str) -> str:
+    # transformers and diffusers treat an existing local path as a local checkpoint.
+    try:
+        if value and len(value) < 4096 and os.path.exists(value):
+            return "path:" + os.path.realpath(value)
+    except (OSError, ValueError):
+        pass
+    return repr(value)
+
+
+def _render(value: Any, budget: _Budget) -> str:
+    budget.spend()
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return _path_or_str(value)
+    if isinstance(value, os.PathLike):
+        return _path_or_str(os.fspath(value))  # type: ignore[arg-type]
+    if isinstance(value, bytes):
+        return "bytes:" + hashlib.sha1(value).hexdigest()
+    if isinstance(value, dict):
+        items = sorted((_render(k, budget), _render(v, budget)) for k, v in value.items())
+        return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__ + "[" + ",".join(_render(v, budget) for v in value) + "]"
+    if isinstance(value, (set, frozenset)):
+        return "set{" + ",".join(sorted(_render(v, budget) for v in value)) + "}"
+    module = type(value).__module__
+    if module.startswith("torch"):
+        return _render_torch(value, budget)
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict) and not isinstance(value, type):  # configs, quantization configs
+        try:
+            data = to_dict()
+        except Exception as err:  # noqa: BLE001 - the user's object: any failure is "no rendering"
+            raise Unrenderable(f"{type(value).__name__}.to_dict() raised {err!r}") from err
+        return f"{module}.{type(value).__qualname__}" + _render(data, budget)
+    if isinstance(value, type):
+        return f"class:{value.__module__}.{value.__qualname__}"
+    if callable(value) or inspect.ismodule(value):
+        raise Unrenderable(f"a {type(value).__name__} argument")
+    try:
+        text = repr(value)
+    except Exception as err:  # noqa: BLE001 - repr of a user object may raise anything
+        raise Unrenderable(f"repr() of a {type(value).__name__} raised {err!r}") from err
+    if _ADDRESS.search(text) or len(text) > _MAX_CHARS:
+        raise Unrenderable(f"a {type(value).__name__} without a stable repr")
+    return f"{module}.{type(value).__qualname__}:{text}"
+
+
+def _render_torch(value: Any, budget: _Budget) -> str:
+    import torch
+
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, torch.Tensor):  # by structure: hashing values costs as much as a load
+        return f"tensor({value.dtype},{tuple(value.shape)},{value.device.type})"
+    if isinstance(value, torch.nn.Module):
+        parts = [f"module:{type(value).__module__}.{type(value).__qualname__}"]
+        config = getattr(value, "config", None)
+        if config is not None:
+            parts.append(_render(config, budget))
+        for name, tensor in value.state_dict(keep_vars=True).items():
+            budget.spend()
+            parts.append(f"{name}:{tensor.dtype}{tuple(tensor.shape)}")
+        return "|".join(parts)
+    raise Unrenderable(f"a {type(value).__name__} argument")
+
+
+def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> dict[str, str]:
+    """The arguments that decide a call's result, by parameter name, rendered as stable strings.
+
+    Args:
+        wrapped: the original function (its signature names the positional arguments).
+        args, kwargs: the caller's arguments.
+
+    Returns:
+        ``{name: rendering}`` without the arguments that never change the result.
+
+    Raises:
+        Unrenderable: an argument has no stable, bounded rendering (the message says which).
+    """
+    try:
+        signature = inspect.signature(wrapped)
+        named = dict(signature.bind_partial(*args, **kwargs).arguments)
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+                named.update(named.pop(name))
+    except (TypeError, ValueError):  # no signature, or arguments that do not bind
+        named = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
+    rendered = {}
+    for name, value in named.items():
+        if name in _VOLATILE:
+            continue
+        if name in _SECRETS:
+            token = value if isinstance(value, (str, bool, type(None))) else repr(type(value))
+            rendered[name] = hashlib.sha256(repr(token).encode()).hexdigest()[:16]
+            continue
+        budget = _Budget()
+        try:
+            text = _render(value, budget)
+        except Unrenderable as err:
+            raise Unrenderable(f"argument {name!r}: {err}") from None
+        except RecursionError:
+            raise Unrenderable(f"argument {name!r}: nested too deeply") from None
+        if len(text) > _MAX_CHARS:
+            raise Unrenderable(f"argument {name!r}: more than {_MAX_CHARS} characters")
+        rendered[name] = text
+    return rendered
+
+
+def digest(name: str, deciding: dict[str, str], *extra: str) -> str:
+    """A short hex digest of a call's function name, deciding arguments and ``extra`` parts."""
+    return hashlib.sha1(repr((name, sorted(deciding.items()), extra)).encode()).hexdigest()[:20]
