@@ -46,7 +46,8 @@ def doctor() -> list[str]:
                   " -> shm inside a node; across nodes, a broadcast to the node leaders if the "
                   "hub cache is shared, else each node leader reads its own disk"
                   if cfg.transport == "auto" else ""),
-              f"timeout: {cfg.timeout_s:.0f} s, heartbeat: {cfg.heartbeat_s:.0f} s, "
+              f"timeout: {'none' if cfg.timeout_s is None else f'{cfg.timeout_s:.0f} s'}, "
+              f"heartbeat: {cfg.heartbeat_s:.0f} s, "
               f"bucket: {cfg.bucket_bytes // 2**20} MiB"]
     lines += [f"{pkg}: {_version(pkg)}" for pkg in
               ("torch", "transformers", "huggingface_hub", "safetensors", "wrapt", "filelock")]

@@ -10,8 +10,8 @@ Accepted spellings (leading and trailing spaces ignored; an empty value means un
 
 - switches: ``1`` / ``0``, ``true`` / ``false``, ``yes`` / ``no``, ``on`` / ``off``, any case;
 - choices and log levels: the listed words, any case;
-- seconds and MiB: a decimal number (``5``, ``2.5``, ``1e3``); ``PATCHLOAD_PROGRESS_WARNING``
-  also takes ``none`` (or ``inf``, ``infinity``): no warning.
+- seconds and MiB: a decimal number (``5``, ``2.5``, ``1e3``); ``PATCHLOAD_TIMEOUT`` and
+  ``PATCHLOAD_PROGRESS_WARNING`` also take ``none`` (or ``inf``, ``infinity``): no bound.
 """
 
 from __future__ import annotations
@@ -69,8 +69,11 @@ class Config:
     node shared memory), ``collective`` (one job leader broadcasts to every rank over a private
     process group) or ``auto`` (shm inside a node; across nodes on one shared hub cache, the job
     leader broadcasts to the other nodes' leaders, else each node leader reads its own disk)."""
-    timeout_s: float = 3600.0
-    """``PATCHLOAD_TIMEOUT``: seconds a follower waits for the leader's outcome."""
+    timeout_s: float | None = None
+    """``PATCHLOAD_TIMEOUT``: the most a follower waits in total for its leader's outcome, in
+    seconds. None (``none``, the default): no bound on the total wait; a follower still fails
+    within two ``heartbeat_s`` periods when its leader dies or goes silent, so by default it gives
+    up on a leader that stopped making progress, never on a live leader's long download."""
     heartbeat_s: float = 5.0
     """``PATCHLOAD_HEARTBEAT``: seconds between leader heartbeats; a leader silent for two periods
     is reported dead."""
@@ -211,7 +214,7 @@ def _read(env: Mapping[str, str] | None = None) -> Config:
         download_scope=_choice(env, "PATCHLOAD_DOWNLOAD_SCOPE", _SCOPES, "auto"),
         broadcast=_switch(env, "PATCHLOAD_BROADCAST", True),
         transport=_choice(env, "PATCHLOAD_TRANSPORT", _TRANSPORTS, "auto"),
-        timeout_s=_number(env, "PATCHLOAD_TIMEOUT", 3600.0),
+        timeout_s=_bound(env, "PATCHLOAD_TIMEOUT", None),
         heartbeat_s=_number(env, "PATCHLOAD_HEARTBEAT", 5.0),
         claim_grace_s=_number(env, "PATCHLOAD_CLAIM_GRACE", 5.0, zero=True),
         exit_wait_s=_number(env, "PATCHLOAD_EXIT_WAIT", 60.0, zero=True),

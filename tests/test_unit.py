@@ -22,7 +22,7 @@ def test_config_defaults_and_values():
     cfg = load_config({})
     assert (cfg.enabled, cfg.download_scope, cfg.broadcast, cfg.transport) == (True, "auto", True,
                                                                              "auto")
-    assert (cfg.timeout_s, cfg.heartbeat_s, cfg.bucket_bytes) == (3600.0, 5.0, 256 * 2**20)
+    assert (cfg.timeout_s, cfg.heartbeat_s, cfg.bucket_bytes) == (None, 5.0, 256 * 2**20)
     assert (cfg.claim_grace_s, cfg.exit_wait_s, cfg.arrival_window_s,
             cfg.progress_warning_s) == (5.0, 60.0, 5.0, 60.0)
     cfg = load_config({"PATCHLOAD": "yes", "PATCHLOAD_DOWNLOAD_SCOPE": " JOB ",
@@ -36,6 +36,11 @@ def test_config_defaults_and_values():
             cfg.progress_warning_s, cfg.heartbeat_s) == (0.0, 0.0, 2.5, None, 5.0)
 
 
+@pytest.mark.parametrize("raw", ["none", "None", " NONE ", "inf", "Infinity"])
+def test_timeout_none_means_no_bound(raw):
+    assert load_config({"PATCHLOAD_TIMEOUT": raw}).timeout_s is None
+
+
 @pytest.mark.parametrize("raw,value", [(v, True) for v in ("1", "true", "YES", "On")]
                          + [(v, False) for v in ("0", "False", "no", "OFF")])
 def test_switch_spellings(raw, value):
@@ -46,7 +51,8 @@ def test_switch_spellings(raw, value):
     ("PATCHLOAD", "maybe", "1 or 0 (also true/false, yes/no, on/off, any case)"),
     ("PATCHLOAD_DOWNLOAD_SCOPE", "cluster", "auto / node / job"),
     ("PATCHLOAD_TRANSPORT", "nccl", "auto / shm / collective"),
-    ("PATCHLOAD_TIMEOUT", "-3", "a positive finite number"),
+    ("PATCHLOAD_TIMEOUT", "-3", "a positive number of seconds, or none (no bound; also inf)"),
+    ("PATCHLOAD_TIMEOUT", "0", "a positive number of seconds, or none"),
     ("PATCHLOAD_HEARTBEAT", "fast", "a positive finite number"),
     ("PATCHLOAD_HEARTBEAT", "inf", "a positive finite number"),
     ("PATCHLOAD_BUCKET_MB", "0", "a positive finite number"),
@@ -92,8 +98,8 @@ except patchload.ConfigError as err:
     proc = _python(code, PATCHLOAD="0", PATCHLOAD_TIMEOUT="abc")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
-        "False", "PATCHLOAD_TIMEOUT='abc' is not valid: accepted values are a positive finite "
-                 "number"]
+        "False", "PATCHLOAD_TIMEOUT='abc' is not valid: accepted values are a positive number "
+                 "of seconds, or none (no bound; also inf)"]
     assert proc.stderr == ""
 
 
