@@ -297,3 +297,60 @@ print(json.dumps(out))
     assert out["safetensors"] == ["SafetensorError", True]  # the plain call would import it
     assert out["xml.dom.minidom"] == ["PatchloadError", False]  # never imported from the store
     assert out["antigravity"] == ["PatchloadError", False]
+
+
+_PRIVATE_DIR = """
+import json, os, stat
+from patchload._store import private_dir
+first, again = private_dir(), private_dir()
+st = os.lstat(first)
+print(json.dumps({"dir": str(first), "again": str(again), "uid": st.st_uid,
+                  "mode": oct(stat.S_IMODE(st.st_mode)), "isdir": stat.S_ISDIR(st.st_mode)}))
+"""
+
+
+@pytest.mark.parametrize("squat", ["other owner", "open to others", "symlink", "file"])
+def test_squatted_private_dir_falls_back_to_a_fresh_private_one(tmp_path, squat):
+    uid = os.getuid()
+    usual = tmp_path / f"patchload-{uid}"
+    if squat == "other owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the directory to another user (os.chown)")
+        usual.mkdir(mode=0o700)
+        os.chown(usual, 65534, 65534)
+        found = ("a directory", 65534, "0o700")
+    elif squat == "open to others":
+        usual.mkdir()
+        usual.chmod(0o777)
+        found = ("a directory", uid, "0o777")
+    elif squat == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        usual.symlink_to(tmp_path / "elsewhere")
+        found = ("a symlink", uid, "0o777")
+    else:
+        usual.write_text("")
+        usual.chmod(0o600)
+        found = ("not a directory", uid, "0o600")
+    proc = _python(_PRIVATE_DIR, TMPDIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    fallback = out["dir"]
+    assert fallback.startswith(f"{tmp_path}/patchload-{uid}-") and out["again"] == fallback
+    assert (out["uid"], out["mode"], out["isdir"]) == (uid, "0o700", True)
+    kind, owner, mode = found
+    assert proc.stderr == (
+        f"patchload's private directory {usual} is unfit ({kind} owned by uid {owner}, mode "
+        f"{mode}; it must be a directory owned by uid {uid} with mode 0700): not using it; this "
+        f"process uses {fallback} instead, so a node-local store is not shared with the other "
+        f"ranks of this node\n")
+    assert not os.path.exists(fallback)  # removed at exit (empty)
+    assert usual.is_symlink() or usual.exists()  # the squatted path is left alone
+
+
+def test_private_dir_is_created_0700_and_reused(tmp_path):
+    proc = _python(_PRIVATE_DIR, TMPDIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out == {"dir": f"{tmp_path}/patchload-{os.getuid()}", "again": out["dir"],
+                   "uid": os.getuid(), "mode": "0o700", "isdir": True}
+    assert proc.stderr == ""
