@@ -8,6 +8,7 @@ receive them. With one process every patched call passes straight through.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from . import _state
 from ._config import Config, load_config
@@ -19,6 +20,9 @@ from ._errors import (
     PatchloadTimeout,
 )
 from ._topology import Topology
+
+if TYPE_CHECKING:
+    from ._patching import Patch
 
 __all__ = [
     "Config",
@@ -45,23 +49,31 @@ def install(config: Config | None = None) -> None:
     """Install every patch (now, or when the patched library is first imported). Idempotent.
 
     Args:
-        config: the settings; read from the ``PATCHLOAD_*`` variables when None.
+        config: the settings; read from the ``PATCHLOAD_*`` variables when None (all of them,
+            even under ``PATCHLOAD=0``: calling install() is asking for the patches).
 
     Raises:
         ConfigError: a ``PATCHLOAD_*`` variable holds a bad value.
     """
+    from ._config import _read
+    from ._patching import install_patches
+
+    cfg = config or _read()
+    _configure_logging(cfg)
+    _state.set_active(True, cfg)
+    install_patches(_patches())
+
+
+def _patches() -> list[Patch]:
+    """Every patch :func:`install` lands, now or when its module is first imported."""
     from ._diffusers import diffusers_patches
     from ._dynamic import dynamic_module_patches
     from ._hub import hub_patches
     from ._load import load_patches
-    from ._patching import install_patches
     from .coordination.call import context_patches
 
-    cfg = config or load_config()
-    _configure_logging(cfg)
-    _state.set_active(True, cfg)
-    install_patches(hub_patches() + dynamic_module_patches() + load_patches()
-                    + diffusers_patches() + context_patches())
+    return (hub_patches() + dynamic_module_patches() + load_patches() + diffusers_patches()
+            + context_patches())
 
 
 def uninstall() -> None:

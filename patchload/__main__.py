@@ -1,13 +1,31 @@
-"""``python -m patchload doctor``: what patchload would do in this environment."""
+"""``python -m patchload doctor``: what patchload would do in this environment.
+
+Under a launcher, one report per job: rank 0 prints the full report, every other rank prints one
+line (rank, pid, host, hub cache, versions: what may differ between ranks) in the same form as
+rank 0's own line, to compare. No rank waits for another: doctor never touches the job store or
+a process group, so it ends even where the job's ranks could not meet.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
+import importlib.util
+import os
+import socket
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from patchload import Config, Topology
 
 __all__ = ["main"]
+
+# Packages patchload always depends on: doctor imports every module of theirs that a patch
+# targets, so that those patches are listed as installed (it takes well under a second once
+# transformers is imported). The patches of other packages are listed as pending.
+_IMPORTED_FOR_THE_LIST = ("huggingface_hub", "transformers")
 
 
 def _version(package: str) -> str:
@@ -17,21 +35,91 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def _seconds(value: float | None) -> str:
+    return "none" if value is None else f"{value:g} s"
+
+
+def _topology_line(topo: Topology) -> str:
+    if topo.launcher == "none":
+        return "topology: single process (no launcher variables found)"
+    return f"topology: {topo}"
+
+
+def rank_line(topo: Topology, cfg: Config) -> str:
+    """This rank's line: what may differ from rank to rank (no I/O beyond reading settings)."""
+    from huggingface_hub import constants
+
+    return (f"rank {topo.rank}/{topo.world_size}: pid {os.getpid()} on {socket.gethostname()} "
+            f"(local rank {topo.local_rank}/{topo.local_world_size}, node {topo.node}/"
+            f"{topo.num_nodes}), patchload {'on' if cfg.enabled else 'off'}, hub cache "
+            f"{constants.HF_HUB_CACHE}, transformers {_version('transformers')}, huggingface_hub "
+            f"{_version('huggingface_hub')}, torch {_version('torch')}")
+
+
+def _patch_lines() -> list[str]:
+    """Installed patches, then those pending until their module is imported."""
+    import patchload
+    from patchload._patching import installed_patches
+
+    patches = patchload._patches()
+    for patch in patches:
+        if patch.module.split(".")[0] in _IMPORTED_FOR_THE_LIST:
+            try:
+                importlib.import_module(patch.module)  # lands its patch (post-import hook)
+            except ImportError:
+                pass  # not in this version: listed as pending below, with the reason
+    installed = installed_patches()
+    lines = [f"patches installed: {len(installed)}"] + [f"  {name}" for name in installed]
+    pending = [p for p in patches if p.module not in sys.modules]
+    if pending:
+        lines.append(f"patches pending: {len(pending)} (each lands when its module is first "
+                     "imported)")
+    for patch in pending:
+        package = patch.module.split(".")[0]
+        if importlib.util.find_spec(package) is None:
+            why = f" ({package} is not installed)"
+        elif package in _IMPORTED_FOR_THE_LIST:
+            why = f" (not in the installed {package} {_version(package)})"
+        else:
+            why = ""
+        target = f"{patch.module}.{patch.path}" if patch.path else f"{patch.module}.*"
+        lines.append(f"  {target}: pending until {patch.module} is imported{why}")
+    return lines
+
+
 def doctor() -> list[str]:
-    """The report's lines: launcher and topology, store, scope, transport, versions, patches."""
+    """The report's lines.
+
+    Rank 0 (or a process outside any launcher): the full report: topology, switches, store,
+    scope, transport, wait bounds, versions, patches. Any other rank: its one :func:`rank_line`.
+    """
     import patchload
     from patchload import _state
-    from patchload._patching import installed_patches
-    from patchload.coordination.store import _kind
 
     cfg = _state.config()
     topo = patchload.topology()
-    lines = [f"patchload {patchload.__version__}",
-             f"topology: {topo}",
-             f"enabled: {cfg.enabled} (PATCHLOAD)"]
+    if topo.rank != 0:
+        return [rank_line(topo, cfg)]
+    lines = [f"patchload {patchload.__version__}", _topology_line(topo)]
+    if topo.distributed:
+        lines += [rank_line(topo, cfg),
+                  "the other ranks print one such line each (compare host, hub cache, "
+                  "versions)"]
+    if not cfg.enabled:
+        from huggingface_hub import constants
+
+        lines += ["patchload: off (PATCHLOAD=0): nothing is patched; every call runs as without "
+                  "patchload",
+                  f"hub cache: {constants.HF_HUB_CACHE}"]
+        lines += [f"{pkg}: {_version(pkg)}" for pkg in
+                  ("torch", "transformers", "huggingface_hub", "safetensors", "wrapt", "filelock")]
+        return lines
+    lines.append("patchload: on (PATCHLOAD)")
     if not topo.distributed:
         lines.append("world size 1: every patched call passes straight through")
     else:
+        from patchload.coordination.store import _kind
+
         kind = _kind()
         lines.append(f"store: {kind}" + (" (node-local: downloads coordinated per node only)"
                                          if kind == "file" else ""))
@@ -46,18 +134,19 @@ def doctor() -> list[str]:
                   " -> shm inside a node; across nodes, a broadcast to the node leaders if the "
                   "hub cache is shared, else each node leader reads its own disk"
                   if cfg.transport == "auto" else ""),
-              f"timeout: {cfg.timeout_s:.0f} s, heartbeat: {cfg.heartbeat_s:.0f} s, "
-              f"bucket: {cfg.bucket_bytes // 2**20} MiB"]
+              f"waits: timeout {_seconds(cfg.timeout_s)}"
+              + (" (no bound on the total wait)" if cfg.timeout_s is None else "")
+              + f", heartbeat {_seconds(cfg.heartbeat_s)}, claim grace "
+              f"{_seconds(cfg.claim_grace_s)}, exit wait {_seconds(cfg.exit_wait_s)}, arrival "
+              f"window {_seconds(cfg.arrival_window_s)}, progress warning "
+              f"{_seconds(cfg.progress_warning_s)}",
+              f"bucket: {cfg.bucket_bytes / 2**20:g} MiB"]
+    from huggingface_hub import constants
+
+    lines.append(f"hub cache: {constants.HF_HUB_CACHE}")
     lines += [f"{pkg}: {_version(pkg)}" for pkg in
               ("torch", "transformers", "huggingface_hub", "safetensors", "wrapt", "filelock")]
-    import huggingface_hub  # noqa: F401 - lands the deferred hub patches so they are listed
-    import transformers.modeling_utils  # noqa: F401
-    import transformers.models.auto.modeling_auto  # noqa: F401
-
-    patches = installed_patches()
-    lines.append(f"patches installed: {len(patches)}")
-    lines += [f"  {p}" for p in patches]
-    return lines
+    return lines + _patch_lines()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

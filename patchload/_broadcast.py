@@ -4,7 +4,7 @@ Used for every rank under ``PATCHLOAD_TRANSPORT=collective``, and between node l
 nodes share one hub cache (the job leader reads, the node leaders receive and share in their node).
 
 The leader never blocks in a collective that followers do not join: once it has loaded, it waits
-at most ``_ARRIVAL_WINDOW_S`` for the ranks of its scope to arrive at the same call key, publishes
+at most ``PATCHLOAD_ARRIVAL_WINDOW`` seconds for the ranks of its scope to arrive at the same call key, publishes
 the members it saw, and broadcasts to exactly those over a private gloo group built from the store
 (never the user's process group). A rank that arrives later is not a member: it loads plainly from
 the cache. So does a member whose broadcast fails (the leader or another member died mid-way,
@@ -31,14 +31,13 @@ __all__ = ["share_collective", "receive_collective"]
 
 logger = logging.getLogger(__name__)
 
-_ARRIVAL_WINDOW_S: Final = 5.0
 _GROUP_TIMEOUT_S: Final = 300.0
 
 
 def _arrived(call: Call, expected: int) -> list[int]:
     """The ranks that arrived at ``call`` within the window (fewer if ``expected`` did not)."""
     ranks = [r for r in range(call.topology.world_size) if r != call.topology.rank]
-    deadline = time.monotonic() + _ARRIVAL_WINDOW_S
+    deadline = time.monotonic() + call.config.arrival_window_s
     while True:
         with call.store.lock:
             present = [r for r in ranks if call.store.store.check([call.key + f"arrived/{r}"])]

@@ -2,13 +2,25 @@
 
 :func:`load_config` reads them when called (not at import), validates every value and returns a
 frozen :class:`Config`. A bad value raises :class:`ConfigError` naming the variable, the value and
-the accepted values.
+the accepted values. With ``PATCHLOAD=0`` nothing else is read or validated. A ``PATCHLOAD_*``
+name that patchload does not know is logged at WARNING once per process, with the closest known
+name, and otherwise ignored.
+
+Accepted spellings (leading and trailing spaces ignored; an empty value means unset):
+
+- switches: ``1`` / ``0``, ``true`` / ``false``, ``yes`` / ``no``, ``on`` / ``off``, any case;
+- choices and log levels: the listed words, any case;
+- seconds and MiB: a decimal number (``5``, ``2.5``, ``1e3``); ``PATCHLOAD_TIMEOUT`` and
+  ``PATCHLOAD_PROGRESS_WARNING`` also take ``none`` (or ``inf``, ``infinity``): no bound.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
+import math
 import os
+import threading
 from dataclasses import dataclass
 from typing import Final, Mapping
 
@@ -16,10 +28,26 @@ from ._errors import ConfigError
 
 __all__ = ["Config", "load_config"]
 
+logger = logging.getLogger(__name__)
+
 _SCOPES: Final = ("auto", "node", "job")
 _TRANSPORTS: Final = ("auto", "shm", "collective")
 _SWITCH: Final = {"1": True, "true": True, "yes": True, "on": True,
                   "0": False, "false": False, "no": False, "off": False}
+_NO_BOUND: Final = ("none", "inf", "infinity")
+
+_VARIABLES: Final = ("PATCHLOAD", "PATCHLOAD_DOWNLOAD_SCOPE", "PATCHLOAD_BROADCAST",
+                     "PATCHLOAD_TRANSPORT", "PATCHLOAD_TIMEOUT", "PATCHLOAD_HEARTBEAT",
+                     "PATCHLOAD_CLAIM_GRACE", "PATCHLOAD_EXIT_WAIT", "PATCHLOAD_ARRIVAL_WINDOW",
+                     "PATCHLOAD_PROGRESS_WARNING", "PATCHLOAD_BUCKET_MB", "PATCHLOAD_LOG_LEVEL")
+_PREFIX: Final = "PATCHLOAD_"
+_SUFFIXES: Final = tuple(name[len(_PREFIX):] for name in _VARIABLES if name.startswith(_PREFIX))
+# Read by patchload's own tools, not by the library: never reported as unknown.
+_TOOL_VARIABLES: Final = ("PATCHLOAD_HUB_LOG_LEVEL",  # patchload.testing.hub
+                          "PATCHLOAD_MEASURE_DIR")  # demo/site/sitecustomize.py
+
+_WARNED: set[str] = set()  # unknown names already reported by this process
+_WARNED_LOCK: Final = threading.Lock()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,7 +55,8 @@ class Config:
     """patchload's settings, one field per ``PATCHLOAD_*`` variable (table in README.md)."""
 
     enabled: bool = True
-    """``PATCHLOAD``: master switch. False: importing patchload installs no patch."""
+    """``PATCHLOAD``: master switch. False: importing patchload installs no patch, and no other
+    variable is read."""
     download_scope: str = "auto"
     """``PATCHLOAD_DOWNLOAD_SCOPE``: ``node`` (local rank 0 of each node downloads into that node's
     cache), ``job`` (one download for the job into a shared cache) or ``auto`` (``job`` when every
@@ -39,12 +68,28 @@ class Config:
     """``PATCHLOAD_TRANSPORT``: ``shm`` (each node's leader reads its files and shares them in
     node shared memory), ``collective`` (one job leader broadcasts to every rank over a private
     process group) or ``auto`` (shm inside a node; across nodes on one shared hub cache, the job
-    leader broadcasts to the other nodes' leaders, else each node's leader reads its own disk)."""
-    timeout_s: float = 3600.0
-    """``PATCHLOAD_TIMEOUT``: seconds a follower waits for the leader's outcome."""
+    leader broadcasts to the other nodes' leaders, else each node leader reads its own disk)."""
+    timeout_s: float | None = None
+    """``PATCHLOAD_TIMEOUT``: the most a follower waits in total for its leader's outcome, in
+    seconds. None (``none``, the default): no bound on the total wait; a follower still fails
+    within two ``heartbeat_s`` periods when its leader dies or goes silent, so by default it gives
+    up on a leader that stopped making progress, never on a live leader's long download."""
     heartbeat_s: float = 5.0
     """``PATCHLOAD_HEARTBEAT``: seconds between leader heartbeats; a leader silent for two periods
     is reported dead."""
+    claim_grace_s: float = 5.0
+    """``PATCHLOAD_CLAIM_GRACE``: seconds another rank waits for rank 0 of the scope to claim a
+    call before claiming (and leading) it itself. 0: the first rank to claim a call leads it."""
+    exit_wait_s: float = 60.0
+    """``PATCHLOAD_EXIT_WAIT``: the most a leader waits at exit, in seconds, for its followers to
+    take the weights it shares. 0: it does not wait (a follower that finds the leader gone loads
+    from the cache)."""
+    arrival_window_s: float = 5.0
+    """``PATCHLOAD_ARRIVAL_WINDOW``: seconds a collective broadcast's leader waits for the members
+    to arrive once its load is done; later ranks load from the cache."""
+    progress_warning_s: float | None = 60.0
+    """``PATCHLOAD_PROGRESS_WARNING``: a follower that has waited longer than this, in seconds,
+    logs a WARNING, and again periodically while it waits. None (``none``): no such warning."""
     bucket_bytes: int = 256 * 2**20
     """``PATCHLOAD_BUCKET_MB`` (in MiB, stored here in bytes): collective broadcast bucket size."""
     log_level: str | None = None
@@ -52,19 +97,24 @@ class Config:
     None when unset: the library then leaves logging alone (effectively WARNING)."""
 
 
-def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+def _raw(env: Mapping[str, str], name: str) -> str | None:
     raw = env.get(name)
-    if raw is None or raw.strip() == "":
+    return None if raw is None or raw.strip() == "" else raw
+
+
+def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = _raw(env, name)
+    if raw is None:
         return default
     value = _SWITCH.get(raw.strip().lower())
     if value is None:
-        raise ConfigError(name, raw, "1 or 0 (also true/false, yes/no, on/off)")
+        raise ConfigError(name, raw, "1 or 0 (also true/false, yes/no, on/off, any case)")
     return value
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
+    raw = _raw(env, name)
+    if raw is None:
         return default
     value = raw.strip().lower()
     if value not in choices:
@@ -72,22 +122,39 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default
     return value
 
 
-def _positive(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
+def _number(env: Mapping[str, str], name: str, default: float, *, zero: bool = False) -> float:
+    """A finite number > 0 (>= 0 with ``zero``)."""
+    raw = _raw(env, name)
+    if raw is None:
         return default
     try:
         value = float(raw)
     except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ConfigError(name, raw, "a positive finite number")
+        value = math.nan
+    if not (value >= 0 if zero else value > 0) or value == math.inf:
+        raise ConfigError(name, raw, "a finite number >= 0" if zero else "a positive finite number")
+    return value
+
+
+def _bound(env: Mapping[str, str], name: str, default: float | None) -> float | None:
+    """A positive finite number of seconds, or None for ``none`` / ``inf`` / ``infinity``."""
+    raw = _raw(env, name)
+    if raw is None:
+        return default
+    if raw.strip().lower() in _NO_BOUND:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise ConfigError(name, raw, "a positive number of seconds, or none (no bound; also inf)")
     return value
 
 
 def _log_level(env: Mapping[str, str], name: str) -> str | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
+    raw = _raw(env, name)
+    if raw is None:
         return None
     value = raw.strip().upper()
     if not isinstance(logging.getLevelName(value), int):
@@ -95,8 +162,31 @@ def _log_level(env: Mapping[str, str], name: str) -> str | None:
     return value
 
 
+def _warn_unknown(env: Mapping[str, str]) -> None:
+    """Log each ``PATCHLOAD_*`` name patchload does not read, once per process."""
+    known = _VARIABLES + _TOOL_VARIABLES
+    for name in sorted(env):
+        if not name.startswith(_PREFIX) or name in known:
+            continue
+        with _WARNED_LOCK:
+            if name in _WARNED:
+                continue
+            _WARNED.add(name)
+        # Compared without the common prefix, which would make every name look close.
+        close = difflib.get_close_matches(name[len(_PREFIX):], _SUFFIXES, n=1)
+        if close:
+            logger.warning("unknown variable %s (did you mean %s%s?): ignored", name, _PREFIX,
+                           close[0])
+        else:
+            logger.warning("unknown variable %s: ignored (patchload reads %s)", name,
+                           ", ".join(_VARIABLES))
+
+
 def load_config(env: Mapping[str, str] | None = None) -> Config:
     """Read and validate the ``PATCHLOAD_*`` variables.
+
+    With ``PATCHLOAD=0`` only that variable is read: the other fields keep their defaults and no
+    other value is validated (a bad one does not stop a disabled patchload).
 
     Args:
         env: the mapping to read; ``os.environ`` when None.
@@ -105,17 +195,31 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         A frozen :class:`Config`. Unset or empty variables take their defaults.
 
     Raises:
-        ConfigError: a variable holds a value outside its accepted values; the message names the
-            variable, the value and what is accepted.
+        ConfigError: a variable holds a value outside its accepted values (``PATCHLOAD`` itself
+            always, the others when enabled); the message names the variable, the value and what
+            is accepted.
     """
     env = os.environ if env is None else env
+    if not _switch(env, "PATCHLOAD", True):
+        return Config(enabled=False)
+    return _read(env)
+
+
+def _read(env: Mapping[str, str] | None = None) -> Config:
+    """Every variable, validated, whatever ``PATCHLOAD`` says (for an explicit ``install()``)."""
+    env = os.environ if env is None else env
+    _warn_unknown(env)
     return Config(
         enabled=_switch(env, "PATCHLOAD", True),
         download_scope=_choice(env, "PATCHLOAD_DOWNLOAD_SCOPE", _SCOPES, "auto"),
         broadcast=_switch(env, "PATCHLOAD_BROADCAST", True),
         transport=_choice(env, "PATCHLOAD_TRANSPORT", _TRANSPORTS, "auto"),
-        timeout_s=_positive(env, "PATCHLOAD_TIMEOUT", 3600.0),
-        heartbeat_s=_positive(env, "PATCHLOAD_HEARTBEAT", 5.0),
-        bucket_bytes=int(_positive(env, "PATCHLOAD_BUCKET_MB", 256.0) * 2**20),
+        timeout_s=_bound(env, "PATCHLOAD_TIMEOUT", None),
+        heartbeat_s=_number(env, "PATCHLOAD_HEARTBEAT", 5.0),
+        claim_grace_s=_number(env, "PATCHLOAD_CLAIM_GRACE", 5.0, zero=True),
+        exit_wait_s=_number(env, "PATCHLOAD_EXIT_WAIT", 60.0, zero=True),
+        arrival_window_s=_number(env, "PATCHLOAD_ARRIVAL_WINDOW", 5.0),
+        progress_warning_s=_bound(env, "PATCHLOAD_PROGRESS_WARNING", 60.0),
+        bucket_bytes=int(_number(env, "PATCHLOAD_BUCKET_MB", 256.0) * 2**20),
         log_level=_log_level(env, "PATCHLOAD_LOG_LEVEL"),
     )

@@ -37,8 +37,9 @@ def _modules_lock() -> Any:
 
     cache = Path(dynamic_module_utils.HF_MODULES_CACHE)
     cache.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(cache / ".patchload.lock"), timeout=_state.config().timeout_s,
-                    is_singleton=True)
+    timeout_s = _state.config().timeout_s
+    return FileLock(str(cache / ".patchload.lock"), timeout=-1 if timeout_s is None else timeout_s,
+                    is_singleton=True)  # -1: no bound
 
 
 def _get_cached_module_file(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],

@@ -53,7 +53,6 @@ _UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size
 # leader first (its collectives would wait for followers that wait for it).
 _COLLECTIVE_KWARGS: Final = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
 _CPU_MAPS: Final = (None, "cpu", {"": "cpu"})
-_EXIT_WAIT_S: Final = 60.0
 _TRIM_EVERY_BYTES: Final = 16 * 2**20
 _LATE_S: Final = 5.0  # at exit, how long to also wait for ranks that have not reached the call
 
@@ -231,7 +230,7 @@ def _release_finished() -> None:
 
 
 def _release_at_exit() -> None:
-    """Leader, at exit: wait (at most ``_EXIT_WAIT_S`` seconds in all) for the followers that
+    """Leader, at exit: wait (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that
     arrived at a shared call to take the weights, then close every blob. Ranks that have not
     arrived are waited for during the first ``_LATE_S`` seconds in all, not per blob (a rank
     that died or never makes the call would otherwise cost ``_LATE_S`` for every blob)."""
@@ -243,7 +242,7 @@ def _release_at_exit() -> None:
         _OPEN_SHARES.clear()
     for call, descriptor in shares:
         elapsed = time.monotonic() - start
-        wait_followers_done(call, max(0.0, _EXIT_WAIT_S - elapsed),
+        wait_followers_done(call, max(0.0, call.config.exit_wait_s - elapsed),
                             late_s=max(0.0, _LATE_S - elapsed))
         shm.release(descriptor)
 

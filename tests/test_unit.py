@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from patchload import ConfigError, LeaderFailedError, load_config
+from patchload import Config, ConfigError, LeaderFailedError, load_config
 from patchload._errors import describe_exception, follower_exception
 from patchload._topology import current_topology
 
@@ -21,20 +22,44 @@ def test_config_defaults_and_values():
     cfg = load_config({})
     assert (cfg.enabled, cfg.download_scope, cfg.broadcast, cfg.transport) == (True, "auto", True,
                                                                              "auto")
-    assert (cfg.timeout_s, cfg.heartbeat_s, cfg.bucket_bytes) == (3600.0, 5.0, 256 * 2**20)
-    cfg = load_config({"PATCHLOAD": "0", "PATCHLOAD_DOWNLOAD_SCOPE": "JOB",
-                       "PATCHLOAD_BUCKET_MB": "1.5", "PATCHLOAD_TIMEOUT": "20"})
+    assert (cfg.timeout_s, cfg.heartbeat_s, cfg.bucket_bytes) == (None, 5.0, 256 * 2**20)
+    assert (cfg.claim_grace_s, cfg.exit_wait_s, cfg.arrival_window_s,
+            cfg.progress_warning_s) == (5.0, 60.0, 5.0, 60.0)
+    cfg = load_config({"PATCHLOAD": "yes", "PATCHLOAD_DOWNLOAD_SCOPE": " JOB ",
+                       "PATCHLOAD_BUCKET_MB": "1.5", "PATCHLOAD_TIMEOUT": "20",
+                       "PATCHLOAD_CLAIM_GRACE": "0", "PATCHLOAD_EXIT_WAIT": "0",
+                       "PATCHLOAD_ARRIVAL_WINDOW": "2.5", "PATCHLOAD_PROGRESS_WARNING": "none",
+                       "PATCHLOAD_HEARTBEAT": ""})
     assert (cfg.enabled, cfg.download_scope, cfg.bucket_bytes, cfg.timeout_s) == (
-        False, "job", int(1.5 * 2**20), 20.0)
+        True, "job", int(1.5 * 2**20), 20.0)
+    assert (cfg.claim_grace_s, cfg.exit_wait_s, cfg.arrival_window_s,
+            cfg.progress_warning_s, cfg.heartbeat_s) == (0.0, 0.0, 2.5, None, 5.0)
+
+
+@pytest.mark.parametrize("raw", ["none", "None", " NONE ", "inf", "Infinity"])
+def test_timeout_none_means_no_bound(raw):
+    assert load_config({"PATCHLOAD_TIMEOUT": raw}).timeout_s is None
+
+
+@pytest.mark.parametrize("raw,value", [(v, True) for v in ("1", "true", "YES", "On")]
+                         + [(v, False) for v in ("0", "False", "no", "OFF")])
+def test_switch_spellings(raw, value):
+    assert load_config({"PATCHLOAD_BROADCAST": raw}).broadcast is value
 
 
 @pytest.mark.parametrize("name,value,accepted", [
-    ("PATCHLOAD", "maybe", "1 or 0"),
+    ("PATCHLOAD", "maybe", "1 or 0 (also true/false, yes/no, on/off, any case)"),
     ("PATCHLOAD_DOWNLOAD_SCOPE", "cluster", "auto / node / job"),
     ("PATCHLOAD_TRANSPORT", "nccl", "auto / shm / collective"),
-    ("PATCHLOAD_TIMEOUT", "-3", "a positive finite number"),
+    ("PATCHLOAD_TIMEOUT", "-3", "a positive number of seconds, or none (no bound; also inf)"),
+    ("PATCHLOAD_TIMEOUT", "0", "a positive number of seconds, or none"),
     ("PATCHLOAD_HEARTBEAT", "fast", "a positive finite number"),
+    ("PATCHLOAD_HEARTBEAT", "inf", "a positive finite number"),
     ("PATCHLOAD_BUCKET_MB", "0", "a positive finite number"),
+    ("PATCHLOAD_CLAIM_GRACE", "-1", "a finite number >= 0"),
+    ("PATCHLOAD_EXIT_WAIT", "none", "a finite number >= 0"),
+    ("PATCHLOAD_ARRIVAL_WINDOW", "0", "a positive finite number"),
+    ("PATCHLOAD_PROGRESS_WARNING", "soon", "a positive number of seconds, or none"),
     ("PATCHLOAD_LOG_LEVEL", "LOUD", "DEBUG / INFO"),
 ])
 def test_bad_config_names_variable_and_accepted_values(name, value, accepted):
@@ -51,6 +76,63 @@ def test_bad_config_fails_the_import():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "PATCHLOAD_TRANSPORT='carrier-pigeon' is not valid" in proc.stderr
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PATCHLOAD")}
+    return subprocess.run([sys.executable, "-c", code], env={**clean, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_disabled_validates_nothing_else():
+    assert load_config({"PATCHLOAD": "0", "PATCHLOAD_TIMEOUT": "abc",
+                        "PATCHLOAD_TRANPORT": "shm"}) == Config(enabled=False)
+    code = """
+import patchload
+print(patchload.is_installed())
+try:
+    patchload.patch()  # asking for the patches explicitly reads and validates everything
+except patchload.ConfigError as err:
+    print(err)
+"""
+    proc = _python(code, PATCHLOAD="0", PATCHLOAD_TIMEOUT="abc")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "False", "PATCHLOAD_TIMEOUT='abc' is not valid: accepted values are a positive number "
+                 "of seconds, or none (no bound; also inf)"]
+    assert proc.stderr == ""
+
+
+def test_unknown_variable_warns_once_with_the_closest_name(caplog, monkeypatch):
+    from patchload import _config
+
+    monkeypatch.setattr(_config, "_WARNED", set())
+    env = {"PATCHLOAD_TRANPORT": "shm", "PATCHLOAD_SCOPE": "node", "PATCHLOAD_HUB_LOG_LEVEL": "x",
+           "PATCHLOAD_MEASURE_DIR": "/m", "PATCHLOADER": "1", "PATCHLOAD": "1"}
+    with caplog.at_level(logging.WARNING, logger="patchload"):
+        assert load_config(env).transport == "auto"  # ignored
+        load_config(env)  # once per process
+    assert [(r.name, r.levelno) for r in caplog.records] == [("patchload._config",
+                                                             logging.WARNING)] * 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "unknown variable PATCHLOAD_SCOPE: ignored (patchload reads PATCHLOAD, "
+        "PATCHLOAD_DOWNLOAD_SCOPE, PATCHLOAD_BROADCAST, PATCHLOAD_TRANSPORT, PATCHLOAD_TIMEOUT, "
+        "PATCHLOAD_HEARTBEAT, PATCHLOAD_CLAIM_GRACE, PATCHLOAD_EXIT_WAIT, "
+        "PATCHLOAD_ARRIVAL_WINDOW, PATCHLOAD_PROGRESS_WARNING, PATCHLOAD_BUCKET_MB, "
+        "PATCHLOAD_LOG_LEVEL)",
+        "unknown variable PATCHLOAD_TRANPORT (did you mean PATCHLOAD_TRANSPORT?): ignored"]
+
+
+def test_unknown_variable_is_reported_at_import():
+    proc = _python("import patchload; print(patchload.load_config().transport)",
+                   PATCHLOAD_TRANPORT="shm")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "auto\n"
+    assert proc.stderr == ("unknown variable PATCHLOAD_TRANPORT (did you mean "
+                           "PATCHLOAD_TRANSPORT?): ignored\n")
+    # Disabled: nothing is read, nothing reported.
+    proc = _python("import patchload", PATCHLOAD="off", PATCHLOAD_TRANPORT="shm")
+    assert (proc.returncode, proc.stderr) == (0, "")
 
 
 @pytest.mark.parametrize("env,expected", [
@@ -167,17 +249,6 @@ print(json.dumps(out))
                    "changed": True, "restored": True, "after_count": 0}
 
 
-def test_doctor_reports_topology_and_patches():
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
-           "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
-    proc = subprocess.run([sys.executable, "-m", "patchload", "doctor"], capture_output=True,
-                          text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert "topology: rank 1/4, local rank 1/2, node 0/2 (from torchrun)" in proc.stdout
-    assert "huggingface_hub.file_download.hf_hub_download" in proc.stdout
-    assert "transformers.modeling_utils.PreTrainedModel.from_pretrained" in proc.stdout
-
-
 def test_errors_pickle_with_their_attributes():
     from patchload import PatchloadTimeout
 
@@ -215,3 +286,60 @@ print(json.dumps(out))
     assert out["safetensors"] == ["SafetensorError", True]  # the plain call would import it
     assert out["xml.dom.minidom"] == ["PatchloadError", False]  # never imported from the store
     assert out["antigravity"] == ["PatchloadError", False]
+
+
+_PRIVATE_DIR = """
+import json, os, stat
+from patchload._store import private_dir
+first, again = private_dir(), private_dir()
+st = os.lstat(first)
+print(json.dumps({"dir": str(first), "again": str(again), "uid": st.st_uid,
+                  "mode": oct(stat.S_IMODE(st.st_mode)), "isdir": stat.S_ISDIR(st.st_mode)}))
+"""
+
+
+@pytest.mark.parametrize("squat", ["other owner", "open to others", "symlink", "file"])
+def test_squatted_private_dir_falls_back_to_a_fresh_private_one(tmp_path, squat):
+    uid = os.getuid()
+    usual = tmp_path / f"patchload-{uid}"
+    if squat == "other owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the directory to another user (os.chown)")
+        usual.mkdir(mode=0o700)
+        os.chown(usual, 65534, 65534)
+        found = ("a directory", 65534, "0o700")
+    elif squat == "open to others":
+        usual.mkdir()
+        usual.chmod(0o777)
+        found = ("a directory", uid, "0o777")
+    elif squat == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        usual.symlink_to(tmp_path / "elsewhere")
+        found = ("a symlink", uid, "0o777")
+    else:
+        usual.write_text("")
+        usual.chmod(0o600)
+        found = ("not a directory", uid, "0o600")
+    proc = _python(_PRIVATE_DIR, TMPDIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    fallback = out["dir"]
+    assert fallback.startswith(f"{tmp_path}/patchload-{uid}-") and out["again"] == fallback
+    assert (out["uid"], out["mode"], out["isdir"]) == (uid, "0o700", True)
+    kind, owner, mode = found
+    assert proc.stderr == (
+        f"patchload's private directory {usual} is unfit ({kind} owned by uid {owner}, mode "
+        f"{mode}; it must be a directory owned by uid {uid} with mode 0700): not using it; this "
+        f"process uses {fallback} instead, so a node-local store is not shared with the other "
+        f"ranks of this node\n")
+    assert not os.path.exists(fallback)  # removed at exit (empty)
+    assert usual.is_symlink() or usual.exists()  # the squatted path is left alone
+
+
+def test_private_dir_is_created_0700_and_reused(tmp_path):
+    proc = _python(_PRIVATE_DIR, TMPDIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out == {"dir": f"{tmp_path}/patchload-{os.getuid()}", "again": out["dir"],
+                   "uid": os.getuid(), "mode": "0o700", "isdir": True}
+    assert proc.stderr == ""

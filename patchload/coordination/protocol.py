@@ -42,7 +42,6 @@ T = TypeVar("T")
 
 _POLL_MIN_S: Final = 0.01
 _POLL_MAX_S: Final = 0.05  # a follower starts within 50 ms of the outcome
-_PROGRESS_EVERY_S: Final = 30.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +142,8 @@ def claim(call: Call) -> tuple[Call, Role]:
     attempt = 0
     while True:
         narrowed = dataclasses.replace(call, key=f"{call.key}a{attempt}/")
+        if attempt == 0 and call.topology.rank != _scope_rank0(call):
+            _grace(narrowed)
         with call.store.lock:
             holder = call.store.store.compare_set(narrowed.key + "leader", "", me).decode()
             failed = holder != me and _failed(narrowed)
@@ -151,6 +152,26 @@ def claim(call: Call) -> tuple[Call, Role]:
             return narrowed, Role(holder == me, int(info["rank"]), int(info["pid"]),
                                   str(info["node"]))
         attempt += 1
+
+
+def _scope_rank0(call: Call) -> int:
+    """The rank that leads every call of the scope it makes: global rank 0 (job), the node's
+    lowest rank (node)."""
+    return 0 if call.scope == "job" else call.topology.node_ranks()[0]
+
+
+def _grace(call: Call) -> None:
+    """Wait up to ``PATCHLOAD_CLAIM_GRACE`` seconds for the scope's rank 0 to claim ``call``
+    (any rank's claim ends the wait), so that rank 0 leads whenever it makes the call: its logs
+    and progress bars are the ones users watch, and the same rank leads from run to run."""
+    deadline = time.monotonic() + call.config.claim_grace_s
+    poll = _POLL_MIN_S
+    while time.monotonic() < deadline:
+        with call.store.lock:
+            if call.store.store.check([call.key + "leader"]):
+                return
+        time.sleep(poll)
+        poll = min(_POLL_MAX_S, poll * 1.5)
 
 
 def _failed(call: Call) -> bool:
@@ -285,15 +306,18 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
             raise LeaderFailedError(
                 f"{call.prefix(role.leader_rank)}: the leader failed: {cause}",
                 rank=call.topology.rank, leader_rank=role.leader_rank, cause=cause)
-        if waited > cfg.timeout_s:
+        if cfg.timeout_s is not None and waited > cfg.timeout_s:
             raise PatchloadTimeout(
                 f"{call.prefix(role.leader_rank)}: waited for the leader's outcome: timed out "
                 f"after {cfg.timeout_s:.0f} s (PATCHLOAD_TIMEOUT)",
                 rank=call.topology.rank, leader_rank=role.leader_rank, waited_s=waited)
-        if now - last_progress > _PROGRESS_EVERY_S:
+        if cfg.progress_warning_s is not None and waited > cfg.progress_warning_s \
+                and now - last_progress > cfg.progress_warning_s:
             last_progress = now
-            logger.info("%s: still waiting for the leader (%.0f s elapsed, timeout %.0f s)",
-                        call.prefix(role.leader_rank), waited, cfg.timeout_s)
+            logger.warning("%s: still waiting for the leader, alive and beating (%.0f s so far; "
+                           "%s)", call.prefix(role.leader_rank), waited,
+                           "no bound on the total wait" if cfg.timeout_s is None
+                           else f"PATCHLOAD_TIMEOUT {cfg.timeout_s:.0f} s")
         time.sleep(poll)
         poll = min(_POLL_MAX_S, poll * 1.5)
 

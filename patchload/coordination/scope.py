@@ -39,7 +39,7 @@ def _remove(path: Path) -> None:
         os.unlink(path)
 
 
-def _detect(topology: Topology, store: JobStore, timeout_s: float) -> str:
+def _detect(topology: Topology, store: JobStore, timeout_s: float | None) -> str:
     name = f".patchload-scope-{os.environ.get('TORCHELASTIC_RUN_ID', '')}-" \
            f"{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', '')}"
     marker = _hub_cache() / name
@@ -51,7 +51,8 @@ def _detect(topology: Topology, store: JobStore, timeout_s: float) -> str:
         with store.lock:
             store.store.set("scope/marker", "1")
         return "job"
-    deadline = time.monotonic() + min(timeout_s, _MARKER_WAIT_S)
+    wait_s = _MARKER_WAIT_S if timeout_s is None else min(timeout_s, _MARKER_WAIT_S)
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         with store.lock:
             if store.store.check(["scope/marker"]):
@@ -59,7 +60,7 @@ def _detect(topology: Topology, store: JobStore, timeout_s: float) -> str:
         time.sleep(0.05)
     logger.warning("[rank %d] rank 0 did not announce its cache within %.0f s: assuming "
                    "node-local caches (PATCHLOAD_DOWNLOAD_SCOPE=node)", topology.rank,
-                   min(timeout_s, _MARKER_WAIT_S))
+                   wait_s)
     return "node"
 
 

@@ -73,19 +73,59 @@ def _drop_stores() -> None:
         _CACHE.clear()
 
 
+_FALLBACK_DIR: Path | None = None  # this process's private directory, when the usual one is unfit
+_FALLBACK_LOCK: Final = threading.Lock()
+
+
 def private_dir() -> Path:
     """A directory only this user can read, for patchload's node-local files (mode ``0700``).
 
+    ``<tempdir>/patchload-<uid>``, created if missing, shared by this user's processes on the
+    node. If that path is unfit (owned by another user, open to others, not a directory, or a
+    symlink: someone may have planted it), it is not used: this process warns once and uses a
+    fresh ``<tempdir>/patchload-<uid>-XXXXXXXX`` of its own (mode ``0700``, removed at exit if
+    empty) for the rest of its life. A node-local store made there is this process's alone.
+
+    Returns:
+        The directory's path.
+
     Raises:
-        PermissionError: the directory exists but belongs to another user or is open to others.
+        OSError: neither directory could be created.
     """
-    path = Path(tempfile.gettempdir()) / f"patchload-{os.getuid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
+    from stat import S_IMODE, S_ISDIR, S_ISLNK
+
+    global _FALLBACK_DIR
+    if _FALLBACK_DIR is not None:
+        return _FALLBACK_DIR
+    uid = os.getuid()
+    path = Path(tempfile.gettempdir()) / f"patchload-{uid}"
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
     st = os.lstat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077 or not os.path.isdir(path):
-        raise PermissionError(f"{path} must be a directory owned by uid {os.getuid()} with mode "
-                              f"0700 (found uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
-    return path
+    if S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077:
+        return path
+    with _FALLBACK_LOCK:
+        if _FALLBACK_DIR is None:
+            fallback = Path(tempfile.mkdtemp(prefix=f"patchload-{uid}-", dir=path.parent))
+            atexit.register(_remove_empty_dir, fallback)
+            kind = "a symlink" if S_ISLNK(st.st_mode) else \
+                "a directory" if S_ISDIR(st.st_mode) else "not a directory"
+            logger.warning("patchload's private directory %s is unfit (%s owned by uid %d, mode "
+                           "%s; it must be a directory owned by uid %d with mode 0700): not "
+                           "using it; this process uses %s instead, so a node-local store is "
+                           "not shared with the other ranks of this node", path, kind,
+                           st.st_uid, oct(S_IMODE(st.st_mode)), uid, fallback)
+            _FALLBACK_DIR = fallback
+    return _FALLBACK_DIR
+
+
+def _remove_empty_dir(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:  # not empty (a file someone still uses) or already gone: leave it
+        pass
 
 
 def _job_id() -> str:
