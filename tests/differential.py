@@ -32,15 +32,19 @@ working directories for each run) and put it in a group of ``tests/test_differen
 from __future__ import annotations
 
 import collections
+import datetime
 import enum
 import json
 import re
 import shutil
+import subprocess
+import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Final, Iterable
 
-from _launch import Job, job_env, run_plain, run_torchrun
+from _launch import WORKERS, Job, free_port, job_env, run_plain, run_processes, run_torchrun
 from patchload.testing import LoopbackHub, Request
 
 JOB_TIMEOUT_S: Final = 180
@@ -68,8 +72,9 @@ _NOT_A_RANKS: Final = ("/api/agent-harnesses",)
 class Requests(enum.Enum):
     """What a scenario's hub requests must satisfy, per step window, patched against plain."""
 
-    ONE_RANK = "one-rank"
-    """One cache for all: at most one rank makes requests, no more than all plain ranks made."""
+    ONE_PER_CACHE = "one-per-cache"
+    """Ranks sharing a cache (an ``HF_HOME``): at most one of them makes requests (followers
+    none), and no more in all than the plain ranks made."""
     PER_RANK = "per-rank"
     """A cache per rank: every rank makes no more requests than its plain run did."""
     TOTAL = "total"
@@ -107,7 +112,7 @@ class RunContext:
     hub: LoopbackHub
     run_root: Path
     assets: Path
-    nproc: int
+    world_size: int
     homes: dict[int, Path]
     per_rank: dict[int, dict[str, Any]]
 
@@ -134,19 +139,35 @@ class Scenario:
 
 @dataclass(frozen=True)
 class Group:
-    """Scenarios run in one job. ``homes``: ``"shared"`` (one ``HF_HOME``) or ``"per-rank"``;
-    ``variants``: patched runs, by name, each with its extra environment."""
+    """Scenarios run in one job, plain and as each of ``variants`` (patched runs, by name, each
+    with its extra environment).
+
+    ``hosts=0``: one torchrun job of ``nproc`` ranks; ``homes`` is ``"shared"`` (one
+    ``HF_HOME``) or ``"per-rank"``. ``hosts=N``: N simulated hosts (namespaces of their own:
+    hostname, PIDs, boot id; one network), each a user's script started by ``srun`` (one task
+    per node) that spawns ``nproc`` ranks with ``torch.multiprocessing.spawn`` and builds the
+    process group by hand (``tests/workers/differential_hosts.py``); one ``HF_HOME`` per host.
+    """
 
     name: str
     scenarios: tuple[Scenario, ...]
     homes: str = "shared"
     variants: dict[str, dict[str, str]] = field(default_factory=lambda: {"shm": {}})
     nproc: int = 3
+    hosts: int = 0
 
     def __post_init__(self) -> None:
-        assert self.homes in ("shared", "per-rank"), self.homes
+        assert self.homes in (("per-host",) if self.hosts else ("shared", "per-rank")), self.homes
         for scenario in self.scenarios[:-1]:
             assert not scenario.requests_to_end, f"{scenario.name} must be last in {self.name}"
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * max(1, self.hosts)
+
+    def cache_of(self, rank: int) -> int:
+        """Which cache (``HF_HOME``) ``rank`` uses, numbered from 0."""
+        return {"shared": 0, "per-rank": rank, "per-host": rank // self.nproc}[self.homes]
 
 
 def _write_plan(run_root: Path, plan: dict[str, Any]) -> Path:
@@ -196,26 +217,87 @@ class Harness:
             extra = {"PATCHLOAD": "0"}
         else:
             extra = {"PATCHLOAD": "1", **group.variants[side]}
-        homes = {r: run_root / ("hf" if group.homes == "shared" else f"hf-{r}")
-                 for r in range(group.nproc)}
-        per_rank: dict[int, dict[str, Any]] = {r: {"env": {}} for r in range(group.nproc)}
+        homes = {r: run_root / f"hf-{group.cache_of(r)}" for r in range(group.world_size)}
+        per_rank: dict[int, dict[str, Any]] = {r: {"env": {}} for r in range(group.world_size)}
         if group.homes == "per-rank":
             for rank, home in homes.items():
                 per_rank[rank]["env"]["HF_HOME"] = str(home)
         self.hub.clear_faults()
-        ctx = RunContext(self.hub, run_root, self.assets, group.nproc, homes, per_rank)
+        ctx = RunContext(self.hub, run_root, self.assets, group.world_size, homes, per_rank)
         for scenario in group.scenarios:
             if scenario.per_run is not None:
                 scenario.per_run(ctx)
         plan = {"run_root": str(run_root),
                 "per_rank": {str(r): v for r, v in per_rank.items()},
                 "steps": [s for scenario in group.scenarios for s in scenario.plan_steps()]}
-        plan_path = _write_plan(run_root, plan)
         env = job_env(self.hub.endpoint, homes[0], run_root / "out", **COMMON_ENV, **extra)
-        job = run_torchrun(self.hub, "differential", [str(plan_path)], nproc=group.nproc,
-                           env=env, timeout_s=JOB_TIMEOUT_S)
+        if group.hosts:
+            job = self._run_hosts(group, run_root, plan, env, homes)
+        else:
+            job = run_torchrun(self.hub, "differential", [str(_write_plan(run_root, plan))],
+                               nproc=group.nproc, env=env, timeout_s=JOB_TIMEOUT_S)
         job.extra["side"] = side
         return job
+
+    def _run_hosts(self, group: Group, run_root: Path, plan: dict[str, Any],
+                   env: dict[str, str], homes: dict[int, Path]) -> Job:
+        import torch.distributed as dist
+
+        # The test barrier's store (the workers' MASTER_ADDR/MASTER_PORT); the ranks' own
+        # process group meets elsewhere, as a spawn script's would.
+        store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=JOB_TIMEOUT_S))
+        plan["init_process_group"] = f"tcp://127.0.0.1:{free_port()}"
+        plan_path = _write_plan(run_root, plan)
+        cmds, envs = [], []
+        for host in range(group.hosts):
+            boot_id = run_root / f"boot-id-{host}"
+            boot_id.write_text(f"{uuid.UUID(int=host + 1)}\n")
+            envs.append({**env, **_srun_env(host, group.hosts),
+                         "HF_HOME": str(homes[host * group.nproc]),
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                         # gloo looks up its address by hostname, which the namespace changed
+                         "GLOO_SOCKET_IFNAME": "lo",
+                         "PLT_BOOT_ID_FILE": str(boot_id), "PLT_HOSTNAME": f"sim-host-{host}"})
+            cmds.append([*HOST_NAMESPACES, "sh", "-c", _HOST_SETUP, "host", sys.executable,
+                         str(WORKERS / "differential_hosts.py"), str(host), str(group.hosts),
+                         str(group.nproc), str(plan_path)])
+        try:
+            return run_processes(self.hub, cmds, envs, out_dir=run_root / "out",
+                                 timeout_s=JOB_TIMEOUT_S)
+        finally:
+            del store
+
+
+# A simulated host: its own hostname (patchload's same-host test), PID namespace (the other
+# host's pids are not visible) and boot id (what the shm transport checks before attaching).
+HOST_NAMESPACES: Final = ("unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc",
+                          "--propagation", "private")
+_HOST_SETUP: Final = ('mount --bind "$PLT_BOOT_ID_FILE" /proc/sys/kernel/random/boot_id '
+                      '&& hostname "$PLT_HOSTNAME" && exec "$@"')
+
+
+def hosts_unavailable() -> str | None:
+    """Why simulated hosts cannot run here (not root, no ``unshare``), or None."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) on this machine"
+    probe = subprocess.run([*HOST_NAMESPACES, "sh", "-c", "mount --bind /dev/null "
+                            "/proc/sys/kernel/random/boot_id && hostname sim-probe"],
+                           capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        return f"cannot create namespaces: {probe.stderr.strip()[:200]}"
+    return None
+
+
+def _srun_env(host: int, hosts: int) -> dict[str, str]:
+    """What ``srun --nodes H --ntasks-per-node 1`` gives its task on node ``host``."""
+    layout = f"1(x{hosts})"
+    return {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(host),
+            "SLURM_LOCALID": "0", "SLURM_NODEID": str(host), "SLURM_NTASKS": str(hosts),
+            "SLURM_STEP_NUM_TASKS": str(hosts), "SLURM_NNODES": str(hosts),
+            "SLURM_JOB_NUM_NODES": str(hosts), "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_TASKS_PER_NODE": layout, "SLURM_STEP_TASKS_PER_NODE": layout,
+            "SLURM_NODELIST": f"sim-host-[0-{hosts - 1}]"}
 
 
 # --- comparison ---------------------------------------------------------------------------------
@@ -341,7 +423,8 @@ def request_kinds(job: Job, step: str, to_end: bool = False) -> set[tuple[str, s
     return {(r.method, r.path, r.status) for r in _window(job, step, to_end)}
 
 
-def request_diff(plain: Job, other: Job, scenario: Scenario, *, self_check: bool) -> list[str]:
+def request_diff(plain: Job, other: Job, group: Group, scenario: Scenario, *,
+                 self_check: bool) -> list[str]:
     """The scenario's request rule, per step (see :class:`Requests`). ``self_check``: ``other``
     is a second plain run; then what the rule compares against must be reproducible: the counts
     per rank with a cache per rank; with a shared cache, where which rank finds a file already
@@ -366,8 +449,13 @@ def request_diff(plain: Job, other: Job, scenario: Scenario, *, self_check: bool
             out.append(line + ": requests from no known rank")
         if sum(got.values()) > sum(want.values()):
             out.append(line + ": more in all than plain")
-        if scenario.requests is Requests.ONE_RANK and len(got) > 1:
-            out.append(line + ": followers made requests")
+        if scenario.requests is Requests.ONE_PER_CACHE:
+            senders = collections.defaultdict(list)
+            for rank in got:
+                if rank is not None:
+                    senders[group.cache_of(rank)].append(rank)
+            if any(len(ranks) > 1 for ranks in senders.values()):
+                out.append(line + ": followers made requests")
         if scenario.requests is Requests.PER_RANK:
             more = [r for r in got if r is not None and got[r] > want.get(r, 0)]
             if more:
@@ -375,13 +463,16 @@ def request_diff(plain: Job, other: Job, scenario: Scenario, *, self_check: bool
     return out
 
 
-def scenario_diff(plain: Job, other: Job, scenario: Scenario, *, self_check: bool = False,
-                  limit: int = 40) -> list[str]:
-    """Every difference, per rank and step, between two runs of a group, for one scenario."""
+def scenario_diff(plain: Job, other: Job, group: Group, scenario: Scenario, *,
+                  self_check: bool = False, limit: int = 40) -> list[str]:
+    """Every difference, per rank and step, between two runs of a group, for one scenario
+    (``self_check``: ``other`` is a second plain run)."""
     out = []
     for job, label, installed in ((plain, "plain", False), (other, "patched", not self_check)):
         if any(rc != 0 for rc in job.returncodes):
             out.append(f"{label} job failed: {job.describe()[-3000:]}")
+        out += [f"{label} rank {rank} wrote no report"
+                for rank in range(group.world_size) if rank not in job.ranks]
         for rank, report in sorted(job.ranks.items()):
             if "crash" in report:
                 out.append(f"{label} rank {rank} crashed: {report['crash'][-2000:]}")
@@ -390,9 +481,9 @@ def scenario_diff(plain: Job, other: Job, scenario: Scenario, *, self_check: boo
         if out and label == "plain":
             return ["the plain run itself failed (a harness problem):"] + out
     for step in scenario.step_names():
-        for rank in sorted(plain.ranks):
+        for rank in range(group.world_size):
             want = plain.ranks[rank]["steps"][step]
             got = other.ranks.get(rank, {}).get("steps", {}).get(step, {})
             out += [f"rank {rank} {step}: {line}" for line in record_diff(want, got)]
-    out += request_diff(plain, other, scenario, self_check=self_check)
+    out += request_diff(plain, other, group, scenario, self_check=self_check)
     return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])

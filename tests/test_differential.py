@@ -1,25 +1,26 @@
 """Differential tests: every scenario run plain and patched; every rank must observe the same.
 
 The harness is ``tests/differential.py`` (what is compared, and how to add a scenario), the rank
-worker ``tests/workers/differential.py``. Two jobs of 3 ranks hold every scenario of issue 11:
+worker ``tests/workers/differential.py``. Three jobs hold every scenario of issue 11:
 
-* ``per-rank-caches`` (each rank its own ``HF_HOME``): a stale commit in rank 2's cache, a cache
-  missing an optional file (rank 1), cold caches (tokenizer and model);
-* ``shared-cache`` (one ``HF_HOME``; the shm and the collective transport): the happy-path
-  matrix, a rank-0-only ``local_files_only`` probe, a transient 404 then a user retry, hub calls
-  from worker threads, a new head with per-rank and with equal seeds, a ``config=`` whose
-  ``repr()`` raises, ``./ckpt`` in a different working directory per rank (each its own
-  checkpoint), and a ``.bin``-only repo (last: transformers' auto-conversion thread outlives the
-  call).
+* ``per-rank-caches`` (3 ranks, each its own ``HF_HOME``): a stale commit in rank 2's cache, a
+  cache missing an optional file (rank 1), cold caches (tokenizer and model);
+* ``two-hosts`` (2 simulated hosts, each an ``srun`` task running a ``torch.multiprocessing.spawn``
+  script of 2 ranks with a process group built by hand; a cache per host): warm and cold caches;
+* ``shared-cache`` (3 ranks, one ``HF_HOME``; the shm and the collective transport): the
+  happy-path matrix, a rank-0-only ``local_files_only`` probe, a transient 404 then a user
+  retry, hub calls from worker threads, a new head with per-rank and with equal seeds, a
+  ``config=`` whose ``repr()`` raises, ``./ckpt`` in a different working directory per rank
+  (each its own checkpoint), and a ``.bin``-only repo (last: transformers' auto-conversion
+  thread outlives the call).
 
 Each group runs plain twice (``test_two_plain_runs_agree``: the harness is deterministic, so a
-difference under patchload is patchload's) and patched once per variant. Not covered here: srun +
-``mp.spawn`` on two hosts (needs two PID/UTS namespaces per "host"; see the final note of the
-module's test list).
+difference under patchload is patchload's) and patched once per variant.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -28,8 +29,8 @@ from typing import Any
 import pytest
 
 from differential import (Group, Harness, Requests, RunContext, Scenario, SetupContext,
-                          copy_cache, deep_diff, error_diff, record_diff, requests_per_rank,
-                          scenario_diff)
+                          copy_cache, deep_diff, error_diff, hosts_unavailable, record_diff,
+                          requests_per_rank, scenario_diff)
 from patchload.testing import Fault, LoopbackHub
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -130,14 +131,14 @@ HAPPY = Scenario(
          "kwargs": {"dtype": "float32"}},
         {"name": "bert", "op": "model", "repo": "happy/bert", "cls": "AutoModelForMaskedLM"},
         {"name": "bert-tokenizer", "op": "tokenizer", "repo": "happy/bert"},
-    ), Requests.ONE_RANK, setup=_happy_setup)
+    ), Requests.ONE_PER_CACHE, setup=_happy_setup)
 
 PROBE = Scenario(
     "probe", (
         {"name": "local-only", "op": "config", "repo": "diff/probe", "ranks": [0],
          "kwargs": {"local_files_only": True}},
         {"name": "config", "op": "config", "repo": "diff/probe"},
-    ), Requests.ONE_RANK,
+    ), Requests.ONE_PER_CACHE,
     setup=_serve_llama("diff/probe", 14, with_tokenizer=False))
 
 
@@ -173,7 +174,7 @@ THREADS = Scenario(
          "filenames": ["config.json", "model.safetensors", "tokenizer.json",
                        "generation_config.json"]},
         {"name": "model-after-pool", "op": "model", "repo": "diff/pool"},
-    ), Requests.ONE_RANK, setup=_threads_setup)
+    ), Requests.ONE_PER_CACHE, setup=_threads_setup)
 
 _HEAD_LOAD = {"op": "model", "repo": "diff/bert-mlm", "cls": "AutoModelForSequenceClassification",
               "kwargs": {"num_labels": 3, "output_loading_info": True}, "rand_after": 3}
@@ -182,14 +183,14 @@ NEW_HEAD = Scenario(
     "new-head", (
         {"name": "seed-per-rank", **_HEAD_LOAD, "seed": 1234, "seed_plus_rank": True},
         {"name": "seed-shared", **_HEAD_LOAD, "seed": 1234},
-    ), Requests.ONE_RANK,
+    ), Requests.ONE_PER_CACHE,
     setup=lambda ctx: ctx.hub.add_repo("diff/bert-mlm", _models().tiny_bert(
         ctx.assets / "bert-mlm", seed=18, with_tokenizer=False)))
 
 CONFIG_REPR = Scenario(
     "config-repr", (
         {"name": "model", "op": "model", "repo": "diff/config-set", "config_set_attr": "marker"},
-    ), Requests.ONE_RANK,
+    ), Requests.ONE_PER_CACHE,
     setup=_serve_llama("diff/config-set", 19, with_tokenizer=False))
 
 
@@ -200,14 +201,14 @@ def _ckpt_setup(ctx: SetupContext) -> None:
 
 
 def _ckpt_run(ctx: RunContext) -> None:
-    for rank in range(ctx.nproc):
+    for rank in range(ctx.world_size):
         ctx.per_rank[rank]["cwd"] = str(ctx.assets / f"cwd-{rank}")
 
 
 RELATIVE_CKPT = Scenario(
     "relative-ckpt", (
         {"name": "model", "op": "model", "repo": "./ckpt"},
-    ), Requests.ONE_RANK, setup=_ckpt_setup, per_run=_ckpt_run)
+    ), Requests.ONE_PER_CACHE, setup=_ckpt_setup, per_run=_ckpt_run)
 
 
 def _bin_setup(ctx: SetupContext) -> None:
@@ -226,10 +227,31 @@ def _bin_setup(ctx: SetupContext) -> None:
 BIN_ONLY = Scenario(
     "bin-only", (
         {"name": "model", "op": "model", "repo": "diff/bin-only"},
-    ), Requests.ONE_RANK, setup=_bin_setup, requests_to_end=True)
+    ), Requests.ONE_PER_CACHE, setup=_bin_setup, requests_to_end=True)
+
+# --- two hosts: srun, one task per node, each a torch.multiprocessing.spawn script ---------------
+
+def _srun_setup(ctx: SetupContext) -> None:
+    _llama(ctx, "srun/warm", seed=22, with_tokenizer=False)
+    _llama(ctx, "srun/cold", seed=23, with_tokenizer=False)
+    ctx.warm(ctx.assets / "srun-home", [{"name": "model", "op": "model", "repo": "srun/warm"}],
+             "srun")
+
+
+def _srun_run(ctx: RunContext) -> None:
+    for home in set(ctx.homes.values()):  # every host's cache holds srun/warm
+        copy_cache(ctx.assets / "srun-home", home)
+
+
+SRUN_SPAWN = Scenario(
+    "srun-spawn", (
+        {"name": "warm", "op": "model", "repo": "srun/warm"},
+        {"name": "cold", "op": "model", "repo": "srun/cold"},
+    ), Requests.ONE_PER_CACHE, setup=_srun_setup, per_run=_srun_run)
 
 GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
+    Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
     Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
                            BIN_ONLY),
           variants={"shm": {}, "collective": {"PATCHLOAD_TRANSPORT": "collective"}}),
@@ -237,6 +259,16 @@ GROUPS = (
 SCENARIOS = {s.name: (g, s) for g in GROUPS for s in g.scenarios}
 CASES = [pytest.param(g.name, v, s.name, id=f"{s.name}-{v}")
          for g in GROUPS for s in g.scenarios for v in g.variants]
+
+
+@functools.cache
+def _hosts_unavailable() -> str | None:
+    return hosts_unavailable()
+
+
+def _skip_if_no_hosts(group: str) -> None:
+    if any(g.name == group and g.hosts for g in GROUPS) and _hosts_unavailable():
+        pytest.skip(f"simulated hosts need root and unshare(1): {_hosts_unavailable()}")
 
 
 @pytest.fixture(scope="module")
@@ -288,9 +320,10 @@ def test_comparison_catches_differences() -> None:
 def test_patched_equals_plain(harness: Harness, group: str, variant: str, scenario: str) -> None:
     """Per rank and step: same weights, configs, tokens, loading info, RNG, errors; requests by
     the scenario's rule."""
+    _skip_if_no_hosts(group)
     plain = harness.side(group, "plain")
     patched = harness.side(group, variant)
-    diffs = scenario_diff(plain, patched, SCENARIOS[scenario][1])
+    diffs = scenario_diff(plain, patched, *SCENARIOS[scenario])
     assert diffs == [], f"{scenario} ({variant}) differs from plain:\n" + "\n".join(diffs)
 
 
@@ -299,10 +332,11 @@ def test_patched_equals_plain(harness: Harness, group: str, variant: str, scenar
 def test_two_plain_runs_agree(harness: Harness, group: str) -> None:
     """The harness is deterministic: a second plain run of the group compares equal, requests
     included, so every difference a patched run shows is patchload's."""
+    _skip_if_no_hosts(group)
     first, second = harness.side(group, "plain"), harness.side(group, "plain-again")
     diffs = []
     for scenario in harness.groups[group].scenarios:
-        diffs += scenario_diff(first, second, scenario, self_check=True)
+        diffs += scenario_diff(first, second, harness.groups[group], scenario, self_check=True)
     assert diffs == [], "two plain runs differ:\n" + "\n".join(diffs)
 
 

@@ -12,6 +12,10 @@ Usage: ``differential.py PLAN.json``. The plan is::
 freeze ``HF_HOME`` and friends at import): a rank with its own cache or working directory starts
 as if launched with them.
 
+With ``"init_process_group": "tcp://host:port"`` in the plan, every rank first joins a gloo
+process group there, with the rank and world size of ``PLT_RANK`` / ``PLT_WORLD_SIZE`` (ranks
+started by ``differential_hosts.py``: a user's ``torch.multiprocessing.spawn`` script).
+
 A step (every key but ``name`` and ``op`` is optional):
 
 * ``op``: ``model`` (``cls.from_pretrained``), ``config`` (``AutoConfig``), ``generation_config``
@@ -48,11 +52,12 @@ import sys
 from pathlib import Path
 
 PLAN = json.loads(Path(sys.argv[1]).read_text())
-_MINE = PLAN.get("per_rank", {}).get(os.environ.get("RANK", "0"), {})
+_RANK = os.environ.get("PLT_RANK") or os.environ.get("RANK", "0")  # as _common.RANK
+_MINE = PLAN.get("per_rank", {}).get(_RANK, {})
 os.environ.update(_MINE.get("env", {}))
 if _MINE.get("cwd"):
     os.chdir(_MINE["cwd"])
-os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{os.environ.get('RANK', '0')}"
+os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{_RANK}"
 
 import concurrent.futures  # noqa: E402
 import hashlib  # noqa: E402
@@ -244,6 +249,16 @@ def run_step(step: dict[str, Any], record: dict[str, Any], barrier: _common.Barr
 
 
 def body(report: dict[str, Any]) -> None:
+    if PLAN.get("init_process_group"):
+        import datetime
+
+        import torch.distributed as dist
+
+        # A group built by hand, as a torch.multiprocessing.spawn script does: no launcher
+        # variable names this rank (the SLURM ones, if any, are the outer step's).
+        dist.init_process_group("gloo", init_method=PLAN["init_process_group"], rank=RANK,
+                                world_size=_common.WORLD_SIZE,
+                                timeout=datetime.timedelta(seconds=120))
     report["installed"] = patchload.is_installed()
     report["cwd"] = norm(os.getcwd())
     report["hf_home"] = norm(os.environ.get("HF_HOME", ""))
@@ -261,4 +276,4 @@ def body(report: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    _common.main(body)
+    _common.main(body, skip_finalization=bool(PLAN.get("init_process_group")))
