@@ -19,10 +19,10 @@ step is one call, or a user's retry loop around one call; see ``tests/workers/di
   rule (:class:`Requests`).
 
 A :class:`Group` is one job: several scenarios whose process-level settings agree (one cache for
-every rank, or one per rank) run one after another in the same ranks, barriers between steps.
-Each group runs plain once and patched once per variant (e.g. the shm and the collective
-transport), plus a second plain run that checks the harness itself: two plain runs must compare
-equal, or a difference under patchload could be noise.
+every rank, one per rank, or simulated hosts) run one after another in the same ranks, barriers
+between steps. Each group runs plain once and patched once per variant (e.g. the shm and the
+collective transport), plus a second plain run that checks the harness itself: two plain runs
+must compare equal, requests included, or a difference under patchload could be noise.
 
 To add a scenario: write a :class:`Scenario` (steps on repo ids of its own, so request windows
 never mix; a ``setup`` that serves its repos; a ``per_run`` that prepares caches, faults or
@@ -61,6 +61,7 @@ COMMON_ENV: Final = {
     "https_proxy": "http://127.0.0.1:9",
     "NO_PROXY": "127.0.0.1,localhost",
     "no_proxy": "127.0.0.1,localhost",
+    # str() of a set (a config attribute, a loading-info entry) in a stable order
     "PYTHONHASHSEED": "0",
 }
 
