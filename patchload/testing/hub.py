@@ -115,6 +115,9 @@ class Request:
     """The request's ``Range`` header, if any."""
     fault: str | None = None
     """Short description of the :class:`Fault` applied, if any."""
+    user_agent: str | None = None
+    """The request's ``User-Agent`` header, if any (a request without ``origin/rank-N`` can still
+    be told apart by the client's session id in it, e.g. transformers' ``session_id/<hex>``)."""
 
     def to_json(self) -> str:
         """Returns the record as one line of JSON (no trailing newline)."""
@@ -418,7 +421,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 duration_s=round(time.time() - self._started, 6), query=self._query,
                 repo_id=self._repo_id, filename=self._filename,
                 range=self.headers.get("Range"),
-                fault=self._fault.describe() if self._fault is not None else None))
+                fault=self._fault.describe() if self._fault is not None else None,
+                user_agent=self.headers.get("User-Agent")))
 
     def _read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)

@@ -21,8 +21,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-RANK = int(os.environ.get("RANK", "0"))
-WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+# A launcher sets RANK; a rank a test starts by other means (a child of a user's
+# torch.multiprocessing.spawn, which sets no variable) is told its rank by PLT_RANK.
+RANK = int(os.environ.get("PLT_RANK") or os.environ.get("RANK", "0"))
+WORLD_SIZE = int(os.environ.get("PLT_WORLD_SIZE") or os.environ.get("WORLD_SIZE", "1"))
 OUT = Path(os.environ["PLT_OUT"])
 
 

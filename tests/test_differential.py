@@ -1,0 +1,405 @@
+"""Differential tests: every scenario run plain and patched; every rank must observe the same.
+
+The harness is ``tests/differential.py`` (what is compared, and how to add a scenario), the rank
+worker ``tests/workers/differential.py``. Three jobs hold every scenario of issue 11:
+
+* ``per-rank-caches`` (3 ranks, each its own ``HF_HOME``): a stale commit in rank 2's cache, a
+  cache missing an optional file (rank 1), cold caches (tokenizer and model);
+* ``two-hosts`` (2 simulated hosts, each an ``srun`` task running a ``torch.multiprocessing.spawn``
+  script of 2 ranks with a process group built by hand; a cache per host): warm and cold caches;
+* ``shared-cache`` (3 ranks, one ``HF_HOME``; the shm and the collective transport): the
+  happy-path matrix, a rank-0-only ``local_files_only`` probe, a transient 404 then a user
+  retry, hub calls from worker threads, a new head with per-rank and with equal seeds, a
+  ``config=`` whose ``repr()`` raises, ``./ckpt`` in a different working directory per rank
+  (each its own checkpoint), and a ``.bin``-only repo (last: transformers' auto-conversion
+  thread outlives the call).
+
+Each group runs plain twice (``test_two_plain_runs_agree``: the harness is deterministic, so a
+difference under patchload is patchload's) and patched once per variant.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from differential import (Group, Harness, Requests, RunContext, Scenario, SetupContext,
+                          copy_cache, deep_diff, error_diff, hosts_unavailable, record_diff,
+                          requests_per_rank, scenario_diff)
+from patchload.testing import Fault, LoopbackHub
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="torchrun jobs with /proc and memfd: Linux only")
+
+# Every test that may start jobs: two jobs of up to JOB_TIMEOUT_S each, plus setup.
+TEST_TIMEOUT_S = 600
+
+
+def _models() -> Any:
+    from patchload.testing import models
+
+    return models
+
+
+def _llama(ctx: SetupContext, repo: str, seed: int, **kwargs: Any) -> Path:
+    folder = _models().tiny_llama(ctx.assets / repo.replace("/", "--"), seed=seed, **kwargs)
+    ctx.hub.add_repo(repo, folder)
+    return folder
+
+
+def _serve_llama(repo: str, seed: int, **kwargs: Any) -> Any:
+    """A scenario ``setup`` serving one tiny llama repo."""
+    def setup(ctx: SetupContext) -> None:
+        _llama(ctx, repo, seed, **kwargs)
+
+    return setup
+
+
+# --- per-rank caches ------------------------------------------------------------------------------
+
+def _stale_setup(ctx: SetupContext) -> None:
+    """Commit A of diff/stale warmed into a template cache, then ``main`` moved to commit B: new
+    weights, ``rms_norm_eps`` changed, same tensor names and shapes."""
+    _llama(ctx, "diff/stale", seed=10, with_tokenizer=False)
+    ctx.warm(ctx.assets / "stale-home", STALE.plan_steps(), "stale")
+    new = _models().tiny_llama(ctx.assets / "stale-b", seed=11, with_tokenizer=False)
+    config = json.loads((new / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    (new / "config.json").write_text(json.dumps(config, indent=2))
+    ctx.hub.add_repo("diff/stale", new)
+
+
+def _stale_run(ctx: RunContext) -> None:
+    copy_cache(ctx.assets / "stale-home", ctx.homes[2])
+
+
+STALE = Scenario(
+    "stale", (
+        {"name": "model", "op": "model", "repo": "diff/stale"},
+        {"name": "config", "op": "config", "repo": "diff/stale"},
+    ), Requests.PER_RANK, setup=_stale_setup, per_run=_stale_run)
+
+
+def _optional_setup(ctx: SetupContext) -> None:
+    """diff/no-gen served whole; a template cache holding its config and weights only."""
+    _llama(ctx, "diff/no-gen", seed=12, with_tokenizer=False)
+    ctx.warm(ctx.assets / "no-gen-home", [
+        {"name": "files", "op": "hf_hub_download", "repo": "diff/no-gen",
+         "filenames": ["config.json", "model.safetensors"]}], "no-gen")
+
+
+def _optional_run(ctx: RunContext) -> None:
+    copy_cache(ctx.assets / "no-gen-home", ctx.homes[1])
+
+
+OPTIONAL_FILE = Scenario(
+    "optional-file", (
+        {"name": "model", "op": "model", "repo": "diff/no-gen"},
+        {"name": "generation_config", "op": "generation_config", "repo": "diff/no-gen"},
+    ), Requests.PER_RANK, setup=_optional_setup, per_run=_optional_run)
+
+COLD = Scenario(
+    "cold", (
+        {"name": "tokenizer", "op": "tokenizer", "repo": "diff/cold"},
+        {"name": "model", "op": "model", "repo": "diff/cold"},
+    ), Requests.PER_RANK, setup=_serve_llama("diff/cold", 13))
+
+
+# --- one shared cache -----------------------------------------------------------------------------
+
+def _happy_setup(ctx: SetupContext) -> None:
+    import torch
+
+    _llama(ctx, "happy/llama", seed=0)
+    _llama(ctx, "happy/llama-tied", seed=1, tie_word_embeddings=True, with_tokenizer=False)
+    _llama(ctx, "happy/llama-sharded", seed=2, max_shard_size="20KB", with_tokenizer=False)
+    _llama(ctx, "happy/llama-bf16", seed=3, dtype=torch.bfloat16, with_tokenizer=False)
+    ctx.hub.add_repo("happy/bert", _models().tiny_bert(ctx.assets / "happy--bert", seed=4))
+
+
+HAPPY = Scenario(
+    "happy", (
+        {"name": "llama", "op": "model", "repo": "happy/llama"},
+        {"name": "llama-tied", "op": "model", "repo": "happy/llama-tied"},
+        {"name": "llama-sharded", "op": "model", "repo": "happy/llama-sharded"},
+        {"name": "bf16-to-fp32", "op": "model", "repo": "happy/llama-bf16",
+         "kwargs": {"dtype": "float32"}},
+        {"name": "bert", "op": "model", "repo": "happy/bert", "cls": "AutoModelForMaskedLM"},
+        {"name": "bert-tokenizer", "op": "tokenizer", "repo": "happy/bert"},
+    ), Requests.ONE_PER_CACHE, setup=_happy_setup)
+
+PROBE = Scenario(
+    "probe", (
+        {"name": "local-only", "op": "config", "repo": "diff/probe", "ranks": [0],
+         "kwargs": {"local_files_only": True}},
+        {"name": "config", "op": "config", "repo": "diff/probe"},
+    ), Requests.ONE_PER_CACHE,
+    setup=_serve_llama("diff/probe", 14, with_tokenizer=False))
+
+
+def _retry_run(ctx: RunContext) -> None:
+    # The first request for diff/flaky's config fails, whoever sends it (rank 0 in a plain run:
+    # the other ranks start once rank 0's first attempt ended, see the step's gate). A 404
+    # (RepoNotFound): huggingface_hub retries a 5xx by itself, with backoff, so the user never
+    # sees a single one.
+    ctx.hub.add_fault(Fault(repo_id="diff/flaky", path="config.json", status=404, times=1))
+
+
+RETRY = Scenario(
+    "retry", (
+        # rank 0 retries after 1 s, the others' first calls come at once: another rank may lead
+        {"name": "model", "op": "model", "repo": "diff/flaky", "attempts": 3,
+         "gate": "rank0_first", "retry_delay_s": {"0": 1.0}},
+    ), Requests.TOTAL,
+    setup=_serve_llama("diff/flaky", 15, with_tokenizer=False),
+    per_run=_retry_run)
+
+
+def _threads_setup(ctx: SetupContext) -> None:
+    _llama(ctx, "diff/snapshot", seed=16, max_shard_size="20KB", with_tokenizer=False)
+    _llama(ctx, "diff/pool", seed=17)
+
+
+THREADS = Scenario(
+    "threads", (
+        # snapshot_download fetches the files in its own thread pool
+        {"name": "snapshot", "op": "snapshot_download", "repo": "diff/snapshot"},
+        # user code: hf_hub_download of four files from four threads at once
+        {"name": "pool", "op": "thread_pool", "repo": "diff/pool",
+         "filenames": ["config.json", "model.safetensors", "tokenizer.json",
+                       "generation_config.json"]},
+        {"name": "model-after-pool", "op": "model", "repo": "diff/pool"},
+    ), Requests.ONE_PER_CACHE, setup=_threads_setup)
+
+_HEAD_LOAD = {"op": "model", "repo": "diff/bert-mlm", "cls": "AutoModelForSequenceClassification",
+              "kwargs": {"num_labels": 3, "output_loading_info": True}, "rand_after": 3}
+
+NEW_HEAD = Scenario(
+    "new-head", (
+        {"name": "seed-per-rank", **_HEAD_LOAD, "seed": 1234, "seed_plus_rank": True},
+        {"name": "seed-shared", **_HEAD_LOAD, "seed": 1234},
+    ), Requests.ONE_PER_CACHE,
+    setup=lambda ctx: ctx.hub.add_repo("diff/bert-mlm", _models().tiny_bert(
+        ctx.assets / "bert-mlm", seed=18, with_tokenizer=False)))
+
+CONFIG_REPR = Scenario(
+    "config-repr", (
+        {"name": "model", "op": "model", "repo": "diff/config-set", "config_set_attr": "marker"},
+    ), Requests.ONE_PER_CACHE,
+    setup=_serve_llama("diff/config-set", 19, with_tokenizer=False))
+
+
+def _ckpt_setup(ctx: SetupContext) -> None:
+    for rank in range(3):
+        _models().tiny_llama(ctx.assets / f"cwd-{rank}" / "ckpt", seed=20 + rank,
+                             with_tokenizer=False)
+
+
+def _ckpt_run(ctx: RunContext) -> None:
+    for rank in range(ctx.world_size):
+        ctx.per_rank[rank]["cwd"] = str(ctx.assets / f"cwd-{rank}")
+
+
+RELATIVE_CKPT = Scenario(
+    "relative-ckpt", (
+        {"name": "model", "op": "model", "repo": "./ckpt"},
+    ), Requests.ONE_PER_CACHE, setup=_ckpt_setup, per_run=_ckpt_run)
+
+
+def _bin_setup(ctx: SetupContext) -> None:
+    """A tiny llama with ``pytorch_model.bin`` and no safetensors (transformers 5 saves only
+    safetensors, so the state dict is written by hand)."""
+    import safetensors.torch
+    import torch
+
+    folder = _models().tiny_llama(ctx.assets / "bin-only", seed=21, with_tokenizer=False)
+    weights = folder / "model.safetensors"
+    torch.save(safetensors.torch.load_file(str(weights)), folder / "pytorch_model.bin")
+    weights.unlink()
+    ctx.hub.add_repo("diff/bin-only", folder)
+
+
+BIN_ONLY = Scenario(
+    "bin-only", (
+        {"name": "model", "op": "model", "repo": "diff/bin-only"},
+    ), Requests.ONE_PER_CACHE, setup=_bin_setup, requests_to_end=True)
+
+# --- two hosts: srun, one task per node, each a torch.multiprocessing.spawn script ---------------
+
+def _srun_setup(ctx: SetupContext) -> None:
+    _llama(ctx, "srun/warm", seed=22, with_tokenizer=False)
+    _llama(ctx, "srun/cold", seed=23, with_tokenizer=False)
+    ctx.warm(ctx.assets / "srun-home", [{"name": "model", "op": "model", "repo": "srun/warm"}],
+             "srun")
+
+
+def _srun_run(ctx: RunContext) -> None:
+    for home in set(ctx.homes.values()):  # every host's cache holds srun/warm
+        copy_cache(ctx.assets / "srun-home", home)
+
+
+SRUN_SPAWN = Scenario(
+    "srun-spawn", (
+        {"name": "warm", "op": "model", "repo": "srun/warm"},
+        {"name": "cold", "op": "model", "repo": "srun/cold"},
+    ), Requests.ONE_PER_CACHE, setup=_srun_setup, per_run=_srun_run)
+
+GROUPS = (
+    Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
+    Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
+    Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
+                           BIN_ONLY),
+          variants={"shm": {}, "collective": {"PATCHLOAD_TRANSPORT": "collective"}}),
+)
+SCENARIOS = {s.name: (g, s) for g in GROUPS for s in g.scenarios}
+CASES = [pytest.param(g.name, v, s.name, id=f"{s.name}-{v}")
+         for g in GROUPS for s in g.scenarios for v in g.variants]
+
+
+@functools.cache
+def _hosts_unavailable() -> str | None:
+    return hosts_unavailable()
+
+
+def _skip_if_no_hosts(group: str) -> None:
+    if any(g.name == group and g.hosts for g in GROUPS) and _hosts_unavailable():
+        pytest.skip(f"simulated hosts need root and unshare(1): {_hosts_unavailable()}")
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("differential")
+    with LoopbackHub(log_path=root / "hub-requests.jsonl") as hub:
+        yield Harness(hub, root, GROUPS)
+
+
+# --- the comparison itself must catch what it is for ----------------------------------------------
+
+def _attempt(obs: Any = None, error: dict | None = None, rng: str = "r0") -> dict[str, Any]:
+    return {"ok": True, "obs": obs, "rng": rng} if error is None else \
+        {"ok": False, "error": error, "rng": rng}
+
+
+@pytest.mark.timeout(30)
+def test_comparison_catches_differences() -> None:
+    """Changed tensor bytes, a lost missing key, an RNG state, a follower subclass whose message
+    has a prefix, a failure where plain succeeded: each is reported; equal records are not."""
+    plain = {"attempts": [_attempt({"fingerprint": {"tensors": {"w": {"sha256": "a"}}},
+                                    "loading_info": {"missing_keys": ["c.bias", "c.weight"]}})]}
+    assert record_diff(plain, json.loads(json.dumps(plain))) == []
+    other = {"attempts": [_attempt({"fingerprint": {"tensors": {"w": {"sha256": "b"}}},
+                                    "loading_info": {"missing_keys": []}}, rng="r1")]}
+    found = record_diff(plain, other)
+    assert any("fingerprint.tensors.w.sha256" in d for d in found), found
+    assert any("loading_info.missing_keys" in d for d in found), found
+    assert any(d.startswith("rng:") for d in found), found
+    error = {"type": "OSError", "mro": ["builtins.OSError", "builtins.Exception"],
+             "message": "no file", "follower": False}
+    follower = {"type": "OSError", "mro": ["builtins.OSError", "builtins.OSError",
+                                           "patchload._errors.LeaderFailedError"],
+                "message": "[rank 1/3] ... leader rank 0: no file", "follower": True}
+    assert error_diff(error, dict(error)) == []
+    found = error_diff(error, follower)
+    assert len(found) == 1 and found[0].startswith("error message"), found  # same class
+    found = error_diff(error, {**error, "type": "ValueError", "mro": ["builtins.ValueError"]})
+    assert "isinstance of plain OSError: False" in found[0], found
+    found = record_diff({"attempts": [_attempt({})]}, {"attempts": [_attempt(error=error)]})
+    assert found and "plain succeeded, patched failed" in found[0], found
+    assert deep_diff({"a": [1, 2]}, {"a": [1, 2]}) == []
+
+
+# --- the scenarios ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("group,variant,scenario", CASES)
+def test_patched_equals_plain(harness: Harness, group: str, variant: str, scenario: str) -> None:
+    """Per rank and step: same weights, configs, tokens, loading info, RNG, errors; requests by
+    the scenario's rule."""
+    _skip_if_no_hosts(group)
+    plain = harness.side(group, "plain")
+    patched = harness.side(group, variant)
+    diffs = scenario_diff(plain, patched, *SCENARIOS[scenario])
+    assert diffs == [], f"{scenario} ({variant}) differs from plain:\n" + "\n".join(diffs)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("group", [g.name for g in GROUPS])
+def test_two_plain_runs_agree(harness: Harness, group: str) -> None:
+    """The harness is deterministic: a second plain run of the group compares equal, requests
+    included, so every difference a patched run shows is patchload's."""
+    _skip_if_no_hosts(group)
+    first, second = harness.side(group, "plain"), harness.side(group, "plain-again")
+    diffs = []
+    for scenario in harness.groups[group].scenarios:
+        diffs += scenario_diff(first, second, harness.groups[group], scenario, self_check=True)
+    assert diffs == [], "two plain runs differ:\n" + "\n".join(diffs)
+
+
+def _plain_steps(harness: Harness, group: str) -> dict[int, dict[str, Any]]:
+    return {rank: report["steps"] for rank, report in harness.side(group, "plain").ranks.items()}
+
+
+def _obs(record: dict[str, Any], attempt: int = 0) -> dict[str, Any]:
+    entry = record["attempts"][attempt]
+    assert entry["ok"], entry["error"]
+    return entry["obs"]
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_per_rank_scenarios_set_up_what_they_claim(harness: Harness) -> None:
+    """In the plain run: rank 2 started from the old commit and ended on the new one (and its
+    weights are those of every other rank); rank 1 downloaded the generation config its cache
+    lacked; every rank fetched the cold repo itself."""
+    steps = _plain_steps(harness, "per-rank-caches")
+    configs = {r: _obs(s["stale/config"])["config"] for r, s in steps.items()}
+    assert {c["rms_norm_eps"] for c in configs.values()} == {1e-5}, configs
+    shas = {r: _obs(s["stale/model"])["fingerprint"]["tensors"]["lm_head.weight"]["sha256"]
+            for r, s in steps.items()}
+    assert len(set(shas.values())) == 1, shas
+    plain = harness.side("per-rank-caches", "plain")
+    gen = [r for r in plain.window("optional-file/model")
+           if r.filename == "generation_config.json" and r.method == "GET" and r.status == 200]
+    assert {r.rank for r in gen} == {0, 1, 2}, gen  # rank 1's cache lacked it, like the others'
+    weights = [r for r in plain.window("optional-file/model") if r.filename == "model.safetensors"
+               and r.method == "GET"]
+    assert {r.rank for r in weights} == {0, 2}, weights  # rank 1 had the weights cached
+    assert set(requests_per_rank(plain, "cold/model")) == {0, 1, 2}
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_shared_scenarios_set_up_what_they_claim(harness: Harness) -> None:
+    """In the plain run: rank 0's probe failed and the later call succeeded; rank 0's first try
+    met the 404 and the others did not; the new heads are missing keys initialised per rank
+    (different per-rank seeds give different heads, the shared seed equal ones); each rank
+    loaded its own ``./ckpt``; the ``.bin`` repo's auto-conversion thread called the hub's
+    model-info, commits and discussions endpoints, all answered."""
+    steps = _plain_steps(harness, "shared-cache")
+    assert not steps[0]["probe/local-only"]["attempts"][0]["ok"]
+    assert all(_obs(s["probe/config"]) for s in steps.values())
+    first_tries = {r: [a["ok"] for a in s["retry/model"]["attempts"]] for r, s in steps.items()}
+    assert first_tries == {0: [False, True], 1: [True], 2: [True]}, first_tries
+    assert "not a valid model identifier" in steps[0]["retry/model"]["attempts"][0]["error"][
+        "message"]
+    heads = {}
+    for step in ("new-head/seed-per-rank", "new-head/seed-shared"):
+        infos = {r: _obs(s[step])["loading_info"] for r, s in steps.items()}
+        assert all(len(i["missing_keys"]) == 4 for i in infos.values()), infos
+        heads[step] = {_obs(s[step])["fingerprint"]["tensors"]["classifier.weight"]["sha256"]
+                       for s in steps.values()}
+    assert len(heads["new-head/seed-per-rank"]) == 3 and len(heads["new-head/seed-shared"]) == 1
+    ckpts = {_obs(s["relative-ckpt/model"])["fingerprint"]["tensors"]["lm_head.weight"]["sha256"]
+             for s in steps.values()}
+    assert len(ckpts) == 3, ckpts
+    plain = harness.side("shared-cache", "plain")
+    start = min(r["steps"]["bin-only/model"]["t0"] for r in plain.ranks.values())
+    api = [r for r in plain.requests if r.time >= start and r.path.startswith("/api/")]
+    kinds = {("commits" if "/commits/" in r.path else "discussions" if "/discussions" in r.path
+              else "info"): r.status for r in api}
+    assert kinds == {"info": 200, "commits": 200, "discussions": 200}, api
+    snapshot = _obs(steps[0]["threads/snapshot"])["files"]
+    assert sum(name.endswith(".safetensors") for name in snapshot) > 1, snapshot

@@ -1,0 +1,279 @@
+"""Rank worker of the differential tests (tests/test_differential.py): run a plan of steps and
+record everything a rank can observe of each call, so that a plain run (``PATCHLOAD=0``) and a
+patched run of the same plan can be compared rank by rank.
+
+Usage: ``differential.py PLAN.json``. The plan is::
+
+    {"run_root": "/abs/path",                 # normalised to "<RUN>" in every recorded string
+     "per_rank": {"2": {"env": {"HF_HOME": "..."}, "cwd": "..."}},
+     "steps": [{"name": "stale/model", "op": "model", "repo": "diff/stale", ...}, ...]}
+
+``per_rank`` is applied first thing, before huggingface_hub or transformers is imported (both
+freeze ``HF_HOME`` and friends at import): a rank with its own cache or working directory starts
+as if launched with them.
+
+With ``"init_process_group": "tcp://host:port"`` in the plan, every rank first joins a gloo
+process group there, with the rank and world size of ``PLT_RANK`` / ``PLT_WORLD_SIZE`` (ranks
+started by ``differential_hosts.py``: a user's ``torch.multiprocessing.spawn`` script).
+
+A step (every key but ``name`` and ``op`` is optional):
+
+* ``op``: ``model`` (``cls.from_pretrained``), ``config`` (``AutoConfig``), ``generation_config``
+  (``GenerationConfig``), ``tokenizer`` (``AutoTokenizer``), ``hf_hub_download`` (each of
+  ``filenames``, one after another), ``snapshot_download``, ``thread_pool`` (``hf_hub_download``
+  of each of ``filenames`` from a user ``ThreadPoolExecutor``, all at once).
+* ``repo``: repo id or path (``"./ckpt"`` resolves against the rank's working directory);
+  ``cls``: the transformers class for ``model`` (default ``AutoModelForCausalLM``);
+  ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``).
+* ``config_set_attr``: for ``model``: first ``config = AutoConfig.from_pretrained(repo)``, then
+  set this attribute of it to a one-element ``set`` (its ``repr()`` raises: a set is not JSON),
+  then pass ``config=config``.
+* ``ranks``: the ranks that make the call (default: all); the others only meet the barriers.
+* ``seed``: ``torch``/``random``/``numpy`` seed set right before the call (default 0);
+  ``seed_plus_rank``: add the rank to it.
+* ``rand_after``: record ``torch.rand(n)`` drawn right after the call (and after the RNG hash).
+* ``attempts``: user code retrying the call (``for ...: try: call; break; except: ...``) up to
+  this many times; ``retry_delay_s``: ``{rank: seconds}`` slept before each retry.
+* ``gate``: ``"rank0_first"``: ranks other than 0 start only once rank 0's first attempt ended,
+  so a fault on the first request of a file meets rank 0 in a plain run too (deterministic).
+
+Each rank writes ``$PLT_OUT/rank-<RANK>.json``: its transformers ``session_id`` and, per step
+(``_common.step``: ``t0``/``t1``, barriers around it so the hub log cuts into per-step windows),
+``skipped`` or ``attempts``: a list, one entry per try, each ``{"ok": true, "obs": {...}}`` or
+``{"ok": false, "error": {...}}``, plus ``rng`` (sha256 of ``torch.get_rng_state()`` right after
+the call) and ``rand``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+PLAN = json.loads(Path(sys.argv[1]).read_text())
+_RANK = os.environ.get("PLT_RANK") or os.environ.get("RANK", "0")  # as _common.RANK
+_MINE = PLAN.get("per_rank", {}).get(_RANK, {})
+os.environ.update(_MINE.get("env", {}))
+if _MINE.get("cwd"):
+    os.chdir(_MINE["cwd"])
+os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{_RANK}"
+
+import concurrent.futures  # noqa: E402
+import hashlib  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import _common  # noqa: E402
+from _common import RANK  # noqa: E402
+
+import patchload  # noqa: E402 - installs the patches (unless PATCHLOAD=0)
+import numpy  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+SENTENCES = ["the first sentence is here .", "people write many words", "water is hot"]
+
+# Strings that legitimately differ between the two runs (their temporary directories, the hub's
+# port), replaced in everything recorded; nothing else is normalised.
+_REPLACE = [(p, "<RUN>") for p in sorted({PLAN["run_root"], os.path.realpath(PLAN["run_root"])},
+                                          key=len, reverse=True)]
+_REPLACE.append((os.environ["HF_ENDPOINT"], "<HUB>"))
+
+
+def norm(text: str) -> str:
+    for raw, tag in _REPLACE:
+        text = text.replace(raw, tag)
+    return text
+
+
+def jsonable(obj: Any) -> Any:
+    return json.loads(norm(json.dumps(obj, default=str, sort_keys=True)))
+
+
+def rng_hash() -> str:
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy.random.seed(seed)
+
+
+def error_record(exc: BaseException) -> dict[str, Any]:
+    """Class (name, ``module.qualname`` of every class in its MRO, so the comparison can ask
+    "is it an instance of the plain run's class"), message, and whether patchload raised it as a
+    follower of another rank."""
+    return {
+        "type": type(exc).__name__,
+        "mro": [f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__],
+        "message": norm(str(exc))[-4000:],
+        "follower": isinstance(exc, patchload.LeaderFailedError),
+        "leader_rank": getattr(exc, "leader_rank", None),
+    }
+
+
+def file_sha(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _dtype(value: Any) -> Any:
+    return value if value == "auto" else getattr(torch, value)
+
+
+def _kwargs(step: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(step.get("kwargs", {}))
+    if "dtype" in kwargs:
+        kwargs["dtype"] = _dtype(kwargs["dtype"])
+    return kwargs
+
+
+def loading_info(info: dict[str, Any]) -> dict[str, Any]:
+    """``output_loading_info``'s dict with every collection as a sorted list (sets and lists
+    mean the same here)."""
+    return {key: sorted(jsonable(list(value)), key=lambda v: json.dumps(v, sort_keys=True))
+            for key, value in sorted(info.items())}
+
+
+def download_record(path: str) -> dict[str, Any]:
+    return {"path": norm(str(path)), "sha256": file_sha(path)}
+
+
+# --- ops: each makes the call and returns what the rank can observe of its result -------------
+
+def op_model(step: dict[str, Any]) -> dict[str, Any]:
+    cls = getattr(transformers, step.get("cls", "AutoModelForCausalLM"))
+    kwargs = _kwargs(step)
+    if step.get("config_set_attr"):
+        config = transformers.AutoConfig.from_pretrained(step["repo"])
+        setattr(config, step["config_set_attr"], {"x"})  # one element: str() is deterministic
+        kwargs["config"] = config
+    result = cls.from_pretrained(step["repo"], **kwargs)
+    obs: dict[str, Any] = {}
+    if kwargs.get("output_loading_info"):
+        result, info = result
+        obs["loading_info"] = loading_info(info)
+    obs["fingerprint"] = jsonable(_common.fingerprint(result))
+    return obs
+
+
+def op_config(step: dict[str, Any]) -> dict[str, Any]:
+    config = transformers.AutoConfig.from_pretrained(step["repo"], **_kwargs(step))
+    return {"class": type(config).__name__, "config": jsonable(config.to_dict())}
+
+
+def op_generation_config(step: dict[str, Any]) -> dict[str, Any]:
+    config = transformers.GenerationConfig.from_pretrained(step["repo"], **_kwargs(step))
+    return {"generation_config": jsonable(config.to_dict())}
+
+
+def op_tokenizer(step: dict[str, Any]) -> dict[str, Any]:
+    tok = transformers.AutoTokenizer.from_pretrained(step["repo"], **_kwargs(step))
+    return {"class": type(tok).__name__, "input_ids": tok(SENTENCES)["input_ids"],
+            "len": len(tok), "special_tokens": jsonable(tok.special_tokens_map),
+            "model_max_length": tok.model_max_length, "name_or_path": norm(tok.name_or_path)}
+
+
+def op_hf_hub_download(step: dict[str, Any]) -> dict[str, Any]:
+    from huggingface_hub import hf_hub_download
+
+    return {"files": [download_record(hf_hub_download(step["repo"], name, **_kwargs(step)))
+                      for name in step["filenames"]]}
+
+
+def op_thread_pool(step: dict[str, Any]) -> dict[str, Any]:
+    from huggingface_hub import hf_hub_download
+
+    names = step["filenames"]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(names)) as pool:
+        paths = list(pool.map(lambda name: hf_hub_download(step["repo"], name, **_kwargs(step)),
+                              names))
+    return {"files": [download_record(p) for p in paths]}
+
+
+def op_snapshot_download(step: dict[str, Any]) -> dict[str, Any]:
+    from huggingface_hub import snapshot_download
+
+    folder = Path(snapshot_download(step["repo"], **_kwargs(step)))
+    files = {p.relative_to(folder).as_posix(): file_sha(p)
+             for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {"folder": norm(str(folder)), "files": files}
+
+
+OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "model": op_model, "config": op_config, "generation_config": op_generation_config,
+    "tokenizer": op_tokenizer, "hf_hub_download": op_hf_hub_download,
+    "thread_pool": op_thread_pool, "snapshot_download": op_snapshot_download}
+
+
+# --- running a step -----------------------------------------------------------------------------
+
+def _wait_key(store: Any, key: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"[rank {RANK}] gate {key} not opened within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def run_step(step: dict[str, Any], record: dict[str, Any], barrier: _common.Barrier) -> None:
+    gate = step.get("gate")
+    if gate not in (None, "rank0_first"):
+        raise ValueError(f"unknown gate {gate!r}")
+    gate_key = f"gate/{step['name']}"
+    if gate and RANK != 0 and barrier.store is not None:
+        _wait_key(barrier.store, gate_key)
+    seed_everything(step.get("seed", 0) + (RANK if step.get("seed_plus_rank") else 0))
+    op = OPS[step["op"]]
+    attempts = []
+    for attempt in range(step.get("attempts", 1)):
+        if attempt:
+            time.sleep(float(step.get("retry_delay_s", {}).get(str(RANK), 0.0)))
+        try:
+            entry: dict[str, Any] = {"ok": True, "obs": op(step)}
+        except Exception as exc:  # noqa: BLE001 - what the rank observed; the test compares it
+            entry = {"ok": False, "error": error_record(exc)}
+        entry["rng"] = rng_hash()
+        if step.get("rand_after"):
+            entry["rand"] = torch.rand(step["rand_after"]).tolist()
+        attempts.append(entry)
+        if attempt == 0 and gate and RANK == 0 and barrier.store is not None:
+            barrier.store.set(gate_key, "1")
+        if entry["ok"]:
+            break
+    record["attempts"] = attempts
+
+
+def body(report: dict[str, Any]) -> None:
+    if PLAN.get("init_process_group"):
+        import datetime
+
+        import torch.distributed as dist
+
+        # A group built by hand, as a torch.multiprocessing.spawn script does: no launcher
+        # variable names this rank (the SLURM ones, if any, are the outer step's).
+        dist.init_process_group("gloo", init_method=PLAN["init_process_group"], rank=RANK,
+                                world_size=_common.WORLD_SIZE,
+                                timeout=datetime.timedelta(seconds=120))
+    report["installed"] = patchload.is_installed()
+    report["cwd"] = norm(os.getcwd())
+    report["hf_home"] = norm(os.environ.get("HF_HOME", ""))
+    # transformers' own requests (its safetensors auto-conversion thread) carry no rank origin,
+    # only this process's session id: the harness attributes them by it.
+    report["session_id"] = transformers.utils.hub.SESSION_ID
+    barrier = _common.Barrier("plt-differential")
+    for step in PLAN["steps"]:
+        with _common.step(report, step["name"], barrier) as record:
+            if RANK in step.get("ranks", [RANK]):
+                run_step(step, record, barrier)
+            else:
+                record["skipped"] = True
+        _common.write_report(report)  # a later hang still leaves the earlier steps readable
+
+
+if __name__ == "__main__":
+    _common.main(body, skip_finalization=bool(PLAN.get("init_process_group")))
