@@ -290,7 +290,7 @@ print(json.dumps(out))
 
 _PRIVATE_DIR = """
 import json, os, stat
-from patchload._store import private_dir
+from patchload.coordination.store import private_dir
 first, again = private_dir(), private_dir()
 st = os.lstat(first)
 print(json.dumps({"dir": str(first), "again": str(again), "uid": st.st_uid,
