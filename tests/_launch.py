@@ -166,10 +166,12 @@ def _spawn(cmd: Sequence[str], env: dict[str, str], log: Path, cwd: Path,
 
 
 def simulated_nodes(hosts: str, count: int, envs: Sequence[dict[str, str]], *, log_dir: Path,
+                    hostnames: Sequence[str] | None = None,
                     ) -> contextlib.AbstractContextManager[SimulatedNodes | None]:
     """The nodes a job's processes run in: None for ``shared-kernel`` (this host), else
-    ``count`` namespaced nodes (``tests/_nodes.py``) sharing the directory that holds every
-    ``PLT_OUT`` and every ``HF_HOME`` not under ``NODE_LOCAL`` (a node-private path)."""
+    ``count`` namespaced nodes (``tests/_nodes.py``; ``hostnames`` default ``simnode<i>``)
+    sharing the directory that holds every ``PLT_OUT`` and every ``HF_HOME`` not under
+    ``NODE_LOCAL`` (a node-private path)."""
     if hosts == "shared-kernel":
         return contextlib.nullcontext()
     if hosts != "namespaced":
@@ -177,7 +179,8 @@ def simulated_nodes(hosts: str, count: int, envs: Sequence[dict[str, str]], *, l
     paths = [e["PLT_OUT"] for e in envs] + [
         e["HF_HOME"] for e in envs
         if "HF_HOME" in e and NODE_LOCAL not in Path(e["HF_HOME"]).parents]
-    return SimulatedNodes(count, shared=[Path(os.path.commonpath(paths))], log_dir=log_dir)
+    return SimulatedNodes(count, shared=[Path(os.path.commonpath(paths))], log_dir=log_dir,
+                          hostnames=hostnames)
 
 
 def _requests_since(hub: LoopbackHub, t0: float) -> list[Request]:
@@ -352,19 +355,21 @@ def check_same_error_everywhere(job: Job, step: str, within_s: float = 10.0) -> 
 
 def run_processes(hub: LoopbackHub, cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
                   *, out_dir: Path, timeout_s: float, hosts: str = "shared-kernel",
-                  node_of: Sequence[int] | None = None) -> Job:
+                  node_of: Sequence[int] | None = None, hostnames: Sequence[str] | None = None,
+                  ) -> Job:
     """Start one process per command (each with its environment; a launcher, or a rank started
     by hand with a launcher's variables), join them with a deadline and collect the reports in
     ``out_dir`` and the requests that arrived meanwhile.
 
     ``hosts="namespaced"``: process ``i`` runs in namespaced node ``node_of[i]`` (see
-    :func:`simulated_nodes`)."""
+    :func:`simulated_nodes`; ``hostnames``: one per node)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     node_of = list(node_of) if node_of is not None else [0] * len(cmds)
     t0 = time.time()
     start = time.monotonic()
     procs, logs = [], []
-    with simulated_nodes(hosts, max(node_of) + 1, envs, log_dir=out_dir) as nodes:
+    with simulated_nodes(hosts, max(node_of) + 1, envs, log_dir=out_dir,
+                         hostnames=hostnames) as nodes:
         for i, (cmd, env) in enumerate(zip(cmds, envs)):
             log = out_dir / f"process-{i}.log"
             procs.append(_spawn(cmd, env, log, out_dir, nodes, node_of[i]))
