@@ -10,6 +10,7 @@ the loopback hub in the pytest process records which rank sent which request.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Iterable, Sequence
 
+from _nodes import NODE_LOCAL, SimulatedNodes
 from patchload.testing import LoopbackHub, Request
 
 TRANSFORMERS_4: Final = importlib.metadata.version("transformers").startswith("4.")
@@ -153,10 +155,32 @@ def _wait_all(procs: Sequence[subprocess.Popen], logs: Sequence[Path], deadline:
     return [p.returncode for p in procs], outputs
 
 
-def _spawn(cmd: Sequence[str], env: dict[str, str], log: Path, cwd: Path) -> subprocess.Popen:
+def _spawn(cmd: Sequence[str], env: dict[str, str], log: Path, cwd: Path,
+           nodes: SimulatedNodes | None = None, node: int = 0) -> subprocess.Popen:
+    """Start ``cmd`` on this host or, with ``nodes``, inside simulated node ``node``."""
+    if nodes is not None:
+        cmd, env = nodes.command(node, cmd, cwd=cwd), nodes.env(env)
     with open(log, "wb") as handle:
         return subprocess.Popen(list(cmd), env=env, stdout=handle, stderr=subprocess.STDOUT,
                                 cwd=cwd, start_new_session=True)
+
+
+def simulated_nodes(hosts: str, count: int, envs: Sequence[dict[str, str]], *, log_dir: Path,
+                    hostnames: Sequence[str] | None = None,
+                    ) -> contextlib.AbstractContextManager[SimulatedNodes | None]:
+    """The nodes a job's processes run in: None for ``shared-kernel`` (this host), else
+    ``count`` namespaced nodes (``tests/_nodes.py``; ``hostnames`` default ``simnode<i>``)
+    sharing the directory that holds every ``PLT_OUT`` and every ``HF_HOME`` not under
+    ``NODE_LOCAL`` (a node-private path)."""
+    if hosts == "shared-kernel":
+        return contextlib.nullcontext()
+    if hosts != "namespaced":
+        raise ValueError(f"hosts={hosts!r}: expected 'shared-kernel' or 'namespaced'")
+    paths = [e["PLT_OUT"] for e in envs] + [
+        e["HF_HOME"] for e in envs
+        if "HF_HOME" in e and NODE_LOCAL not in Path(e["HF_HOME"]).parents]
+    return SimulatedNodes(count, shared=[Path(os.path.commonpath(paths))], log_dir=log_dir,
+                          hostnames=hostnames)
 
 
 def _requests_since(hub: LoopbackHub, t0: float) -> list[Request]:
@@ -176,9 +200,12 @@ def torchrun_cmd(worker: str, args: Iterable[str], *, nproc: int, port: int, nno
 
 def run_torchrun(hub: LoopbackHub, worker: str, args: Iterable[str], *, nproc: int,
                  env: dict[str, str] | Sequence[dict[str, str]], timeout_s: float,
-                 nnodes: int = 1) -> Job:
+                 nnodes: int = 1, hosts: str = "shared-kernel") -> Job:
     """Run one torchrun job (``nnodes`` agents started together, one per simulated node, each
     with its own environment when ``env`` is a list) and collect reports and requests.
+
+    ``hosts="namespaced"``: each agent runs in a namespaced node of its own (see
+    :func:`simulated_nodes`); the default runs them all on this host.
 
     Raises AssertionError (with every process's output) when the job outlives ``timeout_s``.
     """
@@ -191,13 +218,15 @@ def run_torchrun(hub: LoopbackHub, worker: str, args: Iterable[str], *, nproc: i
     t0 = time.time()
     start = time.monotonic()
     procs, logs = [], []
-    for node in range(nnodes):
-        Path(envs[node]["PLT_OUT"]).mkdir(parents=True, exist_ok=True)
-        log = out_dir / f"agent-{node}.log"
-        cmd = torchrun_cmd(worker, args, nproc=nproc, port=port, nnodes=nnodes, node_rank=node)
-        procs.append(_spawn(cmd, envs[node], log, out_dir))
-        logs.append(log)
-    returncodes, outputs = _wait_all(procs, logs, start + timeout_s)
+    with simulated_nodes(hosts, nnodes, envs, log_dir=out_dir) as nodes:
+        for node in range(nnodes):
+            Path(envs[node]["PLT_OUT"]).mkdir(parents=True, exist_ok=True)
+            log = out_dir / f"agent-{node}.log"
+            cmd = torchrun_cmd(worker, args, nproc=nproc, port=port, nnodes=nnodes,
+                               node_rank=node)
+            procs.append(_spawn(cmd, envs[node], log, out_dir, nodes, node))
+            logs.append(log)
+        returncodes, outputs = _wait_all(procs, logs, start + timeout_s)
     elapsed = time.monotonic() - start
     ranks: dict[int, dict[str, Any]] = {}
     for node_env in envs:
@@ -330,18 +359,26 @@ def check_same_error_everywhere(job: Job, step: str, within_s: float = 10.0) -> 
 
 
 def run_processes(hub: LoopbackHub, cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
-                  *, out_dir: Path, timeout_s: float) -> Job:
+                  *, out_dir: Path, timeout_s: float, hosts: str = "shared-kernel",
+                  node_of: Sequence[int] | None = None, hostnames: Sequence[str] | None = None,
+                  ) -> Job:
     """Start one process per command (each with its environment; a launcher, or a rank started
     by hand with a launcher's variables), join them with a deadline and collect the reports in
-    ``out_dir`` and the requests that arrived meanwhile."""
+    ``out_dir`` and the requests that arrived meanwhile.
+
+    ``hosts="namespaced"``: process ``i`` runs in namespaced node ``node_of[i]`` (see
+    :func:`simulated_nodes`; ``hostnames``: one per node)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    node_of = list(node_of) if node_of is not None else [0] * len(cmds)
     t0 = time.time()
     start = time.monotonic()
     procs, logs = [], []
-    for i, (cmd, env) in enumerate(zip(cmds, envs)):
-        log = out_dir / f"process-{i}.log"
-        procs.append(_spawn(cmd, env, log, out_dir))
-        logs.append(log)
-    returncodes, outputs = _wait_all(procs, logs, start + timeout_s)
+    with simulated_nodes(hosts, max(node_of) + 1, envs, log_dir=out_dir,
+                         hostnames=hostnames) as nodes:
+        for i, (cmd, env) in enumerate(zip(cmds, envs)):
+            log = out_dir / f"process-{i}.log"
+            procs.append(_spawn(cmd, env, log, out_dir, nodes, node_of[i]))
+            logs.append(log)
+        returncodes, outputs = _wait_all(procs, logs, start + timeout_s)
     return Job(returncodes, outputs, time.monotonic() - start, _read_reports(out_dir),
                _requests_since(hub, t0), out_dir)

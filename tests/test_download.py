@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+import _nodes
 from _launch import (Job, check_same_error_everywhere, diff_fingerprints, free_port,
                      gets_per_file, job_env, request_signature, run_plain, run_torchrun,
                      start_ranks, wait_ranks)
@@ -98,24 +99,41 @@ def ratelimited_job(hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory) 
                         nproc=3, env=_env(hub, root), timeout_s=JOB_TIMEOUT_S).check_ok()
 
 
-def _two_nodes(hub: LoopbackHub, root: Path, *, shared_home: bool) -> Job:
+def _two_nodes(hub: LoopbackHub, root: Path, *, shared_home: bool, hosts: str) -> Job:
+    """Namespaced nodes (``tests/_nodes.py``) with their own caches use one path on both, each
+    on the node's private disk; on this host's one kernel view, two directories."""
+    if hosts == "namespaced" and (reason := _nodes.unavailable()):
+        pytest.skip(reason)
     out = root / "out"
-    homes = [root / "hf-shared"] * 2 if shared_home else [root / "hf-node0", root / "hf-node1"]
-    envs = [job_env(hub.endpoint, home, out) for home in homes]
-    return run_torchrun(hub, "download", ["--init", "never"], nproc=2, nnodes=2, env=envs,
-                        timeout_s=JOB_TIMEOUT_S).check_ok()
+    if shared_home:
+        homes = [root / "hf-shared"] * 2
+    elif hosts == "namespaced":
+        homes = [_nodes.NODE_LOCAL / "hf"] * 2
+    else:
+        homes = [root / "hf-node0", root / "hf-node1"]
+    envs = [job_env(hub.endpoint, home, out, PLT_RECORD_ATTACHES="1") for home in homes]
+    job = run_torchrun(hub, "download", ["--init", "never"], nproc=2, nnodes=2, env=envs,
+                       timeout_s=JOB_TIMEOUT_S, hosts=hosts).check_ok()
+    job.extra["hosts"] = hosts
+    return job
 
 
-@pytest.fixture(scope="module")
-def two_nodes_own_homes(hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """2 simulated nodes x 2 ranks (two torchrun agents, static rendezvous), one HF_HOME each."""
-    return _two_nodes(hub, tmp_path_factory.mktemp("nodes-own"), shared_home=False)
+@pytest.fixture(scope="module", params=_nodes.HOSTS)
+def two_nodes_own_homes(request: pytest.FixtureRequest, hub: LoopbackHub,
+                        tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """2 simulated nodes x 2 ranks (two torchrun agents, static rendezvous), one HF_HOME each;
+    the nodes share this host's kernel view, or each has its own namespaces."""
+    return _two_nodes(hub, tmp_path_factory.mktemp("nodes-own"), shared_home=False,
+                      hosts=request.param)
 
 
-@pytest.fixture(scope="module")
-def two_nodes_shared_home(hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """2 simulated nodes x 2 ranks on one HF_HOME (a shared filesystem); scope left on auto."""
-    return _two_nodes(hub, tmp_path_factory.mktemp("nodes-shared"), shared_home=True)
+@pytest.fixture(scope="module", params=_nodes.HOSTS)
+def two_nodes_shared_home(request: pytest.FixtureRequest, hub: LoopbackHub,
+                          tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """2 simulated nodes x 2 ranks on one HF_HOME (a shared filesystem); scope left on auto;
+    shared kernel view or namespaced nodes."""
+    return _two_nodes(hub, tmp_path_factory.mktemp("nodes-shared"), shared_home=True,
+                      hosts=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -254,10 +272,19 @@ def _node(rank: int) -> int:
     return rank // 2
 
 
+def _check_nodes(job: Job) -> None:
+    """The ranks ran on the hosts the job asked for, and no follower attached to shared
+    memory of another node (the model step's followers on each node attach to their node's)."""
+    node_of = {rank: _node(rank) for rank in job.ranks}
+    _nodes.check_hosts(job.ranks, node_of, job.extra["hosts"])
+    _nodes.check_attached_within_nodes(job.ranks, node_of)
+
+
 @pytest.mark.timeout(300)
 def test_two_nodes_own_caches_fetch_once_per_node(two_nodes_own_homes: Job) -> None:
     job = two_nodes_own_homes
     assert sorted(job.ranks) == [0, 1, 2, 3]
+    _check_nodes(job)
     for rank, report in job.ranks.items():
         assert f"node {_node(rank)}/2" in report["topology"], report["topology"]
     for step in STEPS:
@@ -280,6 +307,7 @@ def test_two_nodes_own_caches_fetch_once_per_node(two_nodes_own_homes: Job) -> N
 def test_two_nodes_shared_cache_fetch_once_in_all(two_nodes_shared_home: Job) -> None:
     job = two_nodes_shared_home
     assert sorted(job.ranks) == [0, 1, 2, 3]
+    _check_nodes(job)
     for step in STEPS:
         _assert_same_on_every_rank(job, step)
         window = job.window(step)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import _nodes
 from _launch import WORKERS, Job, diff_fingerprints, free_port, gets_per_file, job_env, \
     request_signature, run_processes
 from patchload.testing import LoopbackHub
@@ -197,21 +198,34 @@ def _slurm_env(base: dict[str, str], rank: int, *, nodes: int, per_node: int,
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
+@pytest.mark.parametrize("hosts", _nodes.HOSTS)
 def test_srun_two_simulated_nodes(hub: LoopbackHub, repos: None, barrier_store: Any,
-                                  tmp_path: Path) -> None:
+                                  tmp_path: Path, hosts: str) -> None:
     """SLURM ``srun`` (simulated: 2 nodes x 2 tasks started by hand with ``SLURM_*``; each node
-    with its own ``HF_HOME`` and temp directory, so its own ``FileStore``): the topology per
-    rank; each node fetches every file (remote code included) once, through one rank."""
+    with its own ``HF_HOME`` and temp directory, so its own ``FileStore``; on this host, or in
+    namespaced nodes, ``tests/_nodes.py``, where both are one path on each node's private
+    disk): the topology per rank; each node fetches every file (remote code included) once,
+    through one rank; followers attach only to shared memory of their own node."""
+    if hosts == "namespaced" and (reason := _nodes.unavailable()):
+        pytest.skip(reason)
     cmds, envs = [], []
     for rank in range(4):
         node = rank // 2
-        env = job_env(hub.endpoint, tmp_path / f"hf-{node}", tmp_path / "out",
-                      PLT_STORE_PORT=str(barrier_store.port), TMPDIR=str(tmp_path / f"tmp-{node}"))
-        (tmp_path / f"tmp-{node}").mkdir(exist_ok=True)
+        if hosts == "namespaced":  # TMPDIR: the node's private /tmp
+            env = job_env(hub.endpoint, _nodes.NODE_LOCAL / "hf", tmp_path / "out",
+                          PLT_STORE_PORT=str(barrier_store.port), PLT_RECORD_ATTACHES="1")
+        else:
+            env = job_env(hub.endpoint, tmp_path / f"hf-{node}", tmp_path / "out",
+                          PLT_STORE_PORT=str(barrier_store.port), PLT_RECORD_ATTACHES="1",
+                          TMPDIR=str(tmp_path / f"tmp-{node}"))
+            (tmp_path / f"tmp-{node}").mkdir(exist_ok=True)
         envs.append(_slurm_env(env, rank, nodes=2, per_node=2, job_id=f"{barrier_store.port}"))
         cmds.append([sys.executable, WORKER, "--tag", "slurm", "--steps", "load,remote"])
-    job = run_processes(hub, cmds, envs, out_dir=tmp_path / "out",
-                        timeout_s=JOB_TIMEOUT_S).check_ok()
+    job = run_processes(hub, cmds, envs, out_dir=tmp_path / "out", timeout_s=JOB_TIMEOUT_S,
+                        hosts=hosts, node_of=[rank // 2 for rank in range(4)]).check_ok()
+    node_of = {rank: rank // 2 for rank in range(4)}
+    _nodes.check_hosts(job.ranks, node_of, hosts)
+    _nodes.check_attached_within_nodes(job.ranks, node_of)
     _check_topologies(job, {r: {"rank": r, "world_size": 4, "local_rank": r % 2,
                                 "local_world_size": 2, "node": r // 2, "launcher": "slurm"}
                             for r in range(4)})

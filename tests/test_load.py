@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+import _nodes
 from _launch import (Job, check_same_error_everywhere, diff_fingerprints, follower_checkpoint,
                      job_env, request_signature, run_plain, run_torchrun, step_records)
 from conftest import LOAD_CASES
@@ -257,18 +258,30 @@ def test_corrupt_checkpoint_every_rank_raises_the_same(errors_job: Job, step: st
 NODE_CASES = ("llama_tied", "bf16_auto", "custom")
 
 
-@pytest.fixture(scope="module", params=["shared-cache", "own-caches"])
+@pytest.fixture(scope="module", params=[(cache, hosts) for hosts in _nodes.HOSTS
+                                        for cache in ("shared-cache", "own-caches")],
+                ids=lambda p: "-".join(p))
 def two_nodes_job(request: pytest.FixtureRequest, hub: Any,
                   tmp_path_factory: pytest.TempPathFactory) -> Job:
     """2 simulated nodes x 2 ranks (two torchrun agents) loading NODE_CASES, on one HF_HOME (a
-    shared filesystem) or one HF_HOME per node; everything else on auto."""
-    root = tmp_path_factory.mktemp(f"load-{request.param}")
-    homes = ([root / "hf"] * 2 if request.param == "shared-cache"
-             else [root / "hf-node0", root / "hf-node1"])
-    envs = [job_env(hub.endpoint, home, root / "out") for home in homes]
+    shared filesystem) or one HF_HOME per node; everything else on auto. The nodes share this
+    host's kernel view, or each runs in namespaces of its own (``tests/_nodes.py``: own
+    hostname, pids, /proc, /tmp, /dev/shm; its own cache is then one path on each node's
+    private disk)."""
+    cache, hosts = request.param
+    if hosts == "namespaced" and (reason := _nodes.unavailable()):
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp(f"load-{cache}-{hosts}")
+    if cache == "shared-cache":
+        homes = [root / "hf"] * 2
+    elif hosts == "namespaced":
+        homes = [_nodes.NODE_LOCAL / "hf"] * 2
+    else:
+        homes = [root / "hf-node0", root / "hf-node1"]
+    envs = [job_env(hub.endpoint, home, root / "out", PLT_RECORD_ATTACHES="1") for home in homes]
     job = run_torchrun(hub, "load", ["--cases", ",".join(NODE_CASES)], nproc=2, nnodes=2,
-                       env=envs, timeout_s=JOB_TIMEOUT_S)
-    job.extra["cache"] = request.param
+                       env=envs, timeout_s=JOB_TIMEOUT_S, hosts=hosts)
+    job.extra.update(cache=cache, hosts=hosts)
     return job.check_ok()
 
 
@@ -276,8 +289,13 @@ def two_nodes_job(request: pytest.FixtureRequest, hub: Any,
 def test_two_nodes_read_the_checkpoint_once_per_cache(two_nodes_job: Job,
                                                       reference: dict[str, Any]) -> None:
     """Shared cache: one rank reads, the other node's leader receives it by broadcast and
-    shares it in its node. Own caches: each node's leader reads its own disk."""
+    shares it in its node. Own caches: each node's leader reads its own disk. Either way,
+    followers attach only to shared memory of their own node, and on each node one does."""
     node_of = {rank: rank // 2 for rank in two_nodes_job.ranks}
+    _nodes.check_hosts(two_nodes_job.ranks, node_of, two_nodes_job.extra["hosts"])
+    attached = _nodes.check_attached_within_nodes(two_nodes_job.ranks, node_of)
+    for node in (0, 1):
+        assert any(attached[r] for r in attached if node_of[r] == node), (node, attached)
     for case in NODE_CASES:
         records = step_records(two_nodes_job, case)
         for rank, record in records.items():

@@ -13,7 +13,10 @@ import contextlib
 import datetime
 import hashlib
 import json
+import logging
 import os
+import re
+import socket
 import sys
 import threading
 import time
@@ -38,6 +41,40 @@ def write_report(report: dict[str, Any]) -> None:
     os.replace(tmp, report_path())
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+_ATTACHED = re.compile(r"attached \d+ tensors shared by pid (\d+)")
+
+
+def _record_attaches(attached: list[int]) -> None:
+    """Append to ``attached`` the pid named by each of patchload's "attached N tensors shared
+    by pid P" debug lines in this process (a log record factory: no handler is added, so what
+    reaches stderr is unchanged; the ``patchload`` logger is set to DEBUG unless the job set
+    ``PATCHLOAD_LOG_LEVEL``)."""
+    log = logging.getLogger("patchload")
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.DEBUG)
+    make = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        if record.name.startswith("patchload") and str(record.msg).startswith("attached"):
+            try:
+                found = _ATTACHED.search(record.getMessage())
+            except (TypeError, ValueError):
+                found = None
+            if found:
+                attached.append(int(found.group(1)))
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
 def main(body: Callable[[dict[str, Any]], None], *, skip_finalization: bool = False) -> None:
     """Run ``body(report)`` and write the report; on a crash, write the traceback and exit 1.
 
@@ -47,7 +84,11 @@ def main(body: Callable[[dict[str, Any]], None], *, skip_finalization: bool = Fa
     process that already finished ("terminate called without an active exception", see
     pytorch/pytorch#179291 and #190489), which would fail the job after its work is done.
     """
-    report: dict[str, Any] = {"rank": RANK, "pid": os.getpid(), "steps": {}}
+    report: dict[str, Any] = {"rank": RANK, "pid": os.getpid(), "host": socket.gethostname(),
+                              "pidns": _pid_namespace(), "steps": {}}
+    if os.environ.get("PLT_RECORD_ATTACHES") == "1":
+        report["attached"] = []
+        _record_attaches(report["attached"])
     try:
         body(report)
     except BaseException:  # noqa: BLE001 - reported, then the process fails

@@ -28,6 +28,7 @@ import argparse
 import datetime
 import json
 import logging
+import socket
 import os
 import shutil
 import sys
@@ -105,8 +106,14 @@ def run(args: argparse.Namespace) -> None:
     topology = patchload.topology()
     # Before huggingface_hub is imported: the loopback hub attributes requests by this.
     os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{topology.rank}"
+    import _common
+
     report: dict[str, Any] = {"rank": topology.rank, "pid": os.getpid(), "steps": {},
+                              "host": socket.gethostname(), "pidns": _common._pid_namespace(),
                               "topology": _topology_dict(topology)}
+    if os.environ.get("PLT_RECORD_ATTACHES") == "1":
+        report["attached"] = []
+        _common._record_attaches(report["attached"])
     try:
         _steps(args, report)
     except BaseException:
@@ -133,7 +140,8 @@ def _steps(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
     lines = _Lines()
     logging.getLogger("patchload").addHandler(lines)
-    logging.getLogger("patchload").setLevel(logging.INFO)
+    if logging.getLogger("patchload").level != logging.DEBUG:  # PLT_RECORD_ATTACHES: kept
+        logging.getLogger("patchload").setLevel(logging.INFO)
     import transformers
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
