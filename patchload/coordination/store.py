@@ -17,7 +17,6 @@ restarted job never sees the keys of the attempt before.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import os
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 import psutil
+
+from .identity import job_id
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -63,6 +64,7 @@ class JobStore:
 
 _CACHE: dict[tuple[str, int], JobStore] = {}
 _CACHE_LOCK = threading.Lock()
+_PG_LOCK = threading.RLock()
 
 
 @atexit.register
@@ -128,23 +130,8 @@ def _remove_empty_dir(path: Path) -> None:
         pass
 
 
-def _job_id() -> str:
-    """What names this job run on this node and no other, for namespacing keys."""
-    env = os.environ
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"):
-        if env.get(name):
-            attempt = env.get("TORCHELASTIC_RESTART_COUNT", "") + env.get("SLURM_STEP_ID", "")
-            return f"{env[name]}.{attempt}"
-    # No launcher id: the parent process (the launcher) and its start time.
-    parent = psutil.Process().parent()
-    if parent is None:
-        return f"pid{os.getpid()}"
-    return f"ppid{parent.pid}.{parent.create_time():.3f}"
-
-
 def _namespace() -> str:
-    master = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
-    return hashlib.sha1(f"{_job_id()}|{master}".encode()).hexdigest()[:16]
+    return job_id()
 
 
 _USERS_KEY: Final = "patchload-users"
@@ -181,7 +168,8 @@ def _make(kind: str) -> JobStore:
         atexit.register(_leave_file_store, base, path)
         logger.warning("no job-wide store (not under torchrun and no process group yet): "
                        "coordinating downloads inside this node only, through %s", path)
-    return JobStore(dist.PrefixStore(f"patchload/{_namespace()}/", base), kind, threading.RLock())
+    lock = _PG_LOCK if kind == "process_group" else threading.RLock()
+    return JobStore(dist.PrefixStore(f"patchload/{_namespace()}/", base), kind, lock)
 
 
 def _kind() -> str:
@@ -199,7 +187,8 @@ def _kind() -> str:
 def job_store() -> JobStore:
     """The store this process coordinates through now (see the module docstring for the order).
 
-    Not collective: no rank waits for another here. Cached per process and kind.
+    Not collective: no rank waits for another here. Cached per process and kind, but the
+    process group's store (taken anew from the current default group each time).
 
     Raises:
         RuntimeError: torch.distributed is unavailable, or the agent store cannot be reached
@@ -207,6 +196,10 @@ def job_store() -> JobStore:
     """
     kind = _kind()
     with _CACHE_LOCK:
+        if kind == "process_group":
+            # Not cached: holding the group's store would keep it (and, on rank 0, its server
+            # socket) alive past destroy_process_group, and a new group on the same port hangs.
+            return _make(kind)
         key = (kind, os.getpid())
         if key not in _CACHE:
             _CACHE[key] = _make(kind)
