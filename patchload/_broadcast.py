@@ -20,7 +20,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
-from .coordination.protocol import Call, gone_ranks
+from .coordination.followers import gone_ranks
+from .coordination.protocol import Call
 from .coordination.store import job_store
 from ._topology import current_topology
 

@@ -39,7 +39,8 @@ _NO_BOUND: Final = ("none", "inf", "infinity")
 _VARIABLES: Final = ("PATCHLOAD", "PATCHLOAD_DOWNLOAD_SCOPE", "PATCHLOAD_BROADCAST",
                      "PATCHLOAD_TRANSPORT", "PATCHLOAD_TIMEOUT", "PATCHLOAD_HEARTBEAT",
                      "PATCHLOAD_CLAIM_GRACE", "PATCHLOAD_EXIT_WAIT", "PATCHLOAD_ARRIVAL_WINDOW",
-                     "PATCHLOAD_PROGRESS_WARNING", "PATCHLOAD_BUCKET_MB", "PATCHLOAD_LOG_LEVEL")
+                     "PATCHLOAD_PROGRESS_WARNING", "PATCHLOAD_SCOPE_WAIT", "PATCHLOAD_BUCKET_MB",
+                     "PATCHLOAD_LOG_LEVEL")
 _PREFIX: Final = "PATCHLOAD_"
 _SUFFIXES: Final = tuple(name[len(_PREFIX):] for name in _VARIABLES if name.startswith(_PREFIX))
 # Read by patchload's own tools, not by the library: never reported as unknown.
@@ -90,6 +91,10 @@ class Config:
     progress_warning_s: float | None = 60.0
     """``PATCHLOAD_PROGRESS_WARNING``: a follower that has waited longer than this, in seconds,
     logs a WARNING, and again periodically while it waits. None (``none``): no such warning."""
+    scope_wait_s: float = 60.0
+    """``PATCHLOAD_SCOPE_WAIT``: with several nodes and ``PATCHLOAD_DOWNLOAD_SCOPE=auto``, the most
+    a rank waits, in seconds, at its first call for the job's decision of the download scope
+    (rank 0 for every node's answer); on expiry, downloads are per node."""
     bucket_bytes: int = 256 * 2**20
     """``PATCHLOAD_BUCKET_MB`` (in MiB, stored here in bytes): collective broadcast bucket size."""
     log_level: str | None = None
@@ -220,6 +225,7 @@ def _read(env: Mapping[str, str] | None = None) -> Config:
         exit_wait_s=_number(env, "PATCHLOAD_EXIT_WAIT", 60.0, zero=True),
         arrival_window_s=_number(env, "PATCHLOAD_ARRIVAL_WINDOW", 5.0),
         progress_warning_s=_bound(env, "PATCHLOAD_PROGRESS_WARNING", 60.0),
+        scope_wait_s=_number(env, "PATCHLOAD_SCOPE_WAIT", 60.0),
         bucket_bytes=int(_number(env, "PATCHLOAD_BUCKET_MB", 256.0) * 2**20),
         log_level=_log_level(env, "PATCHLOAD_LOG_LEVEL"),
     )

@@ -13,7 +13,9 @@ from typing import Iterator
 
 from . import _state
 from .coordination import protocol as _coordinate
+from ._errors import PatchloadError
 from ._topology import current_topology
+from .coordination.store import job_store
 
 __all__ = ["main_process_first"]
 
@@ -36,6 +38,8 @@ def main_process_first(scope: str = "node") -> Iterator[bool]:
 
     Raises:
         ValueError: ``scope`` is not ``node`` or ``job``.
+        PatchloadError: ``scope="job"`` across nodes with no job-wide store (a node-local one:
+            not under torchrun, before ``init_process_group``).
         LeaderFailedError / the leader's exception class: on followers, when the leader's block
             raised (message names the leader rank), or its process died.
         PatchloadTimeout: on followers, after ``PATCHLOAD_TIMEOUT`` seconds without an outcome.
@@ -46,13 +50,20 @@ def main_process_first(scope: str = "node") -> Iterator[bool]:
     if not topology.distributed:
         yield True
         return
+    if scope == "job" and topology.num_nodes > 1 and job_store().node_local:
+        raise PatchloadError(
+            f"[rank {topology.rank}/{topology.world_size}] main_process_first(scope='job'): no "
+            f"job-wide store to coordinate {topology.num_nodes} nodes through (not under torchrun "
+            "and no process group yet): each node would run its own leader at once. Call "
+            "torch.distributed.init_process_group() first, launch with torchrun, or use "
+            "scope='node'", rank=topology.rank)
     # The user's `with` line (past contextlib's __enter__): the call site matched across ranks.
     frame = inspect.currentframe().f_back.f_back  # type: ignore[union-attr]
     site = f"{frame.f_code.co_filename}:{frame.f_lineno}"  # type: ignore[union-attr]
     call = _coordinate.call_key("main_process_first", {"site": site}, scope=scope,
                                 topology=topology, config=_state.config(),
                                 what=f"main_process_first at {site}")
-    call, role = _coordinate.claim(call)
+    call, role = _coordinate.claim(call, retry_failed=False)
     if role.lead:
         with _coordinate.leading(call):
             yield True

@@ -29,11 +29,11 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
-from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
 from ._compat import describe_loading_info, initialized_by_follower, loaded_from_leader
-from .coordination.protocol import (Call, files_ready, node_leaders_call, pending_followers,
-                          wait_followers_done)
 from ._patching import Patch
+from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
+from .coordination.followers import pending_followers, wait_followers_done
+from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
 
 if TYPE_CHECKING:

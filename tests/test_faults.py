@@ -693,6 +693,57 @@ def test_node_local_store_file_is_removed_by_the_last_process_out(tmp_path: Path
                 proc.wait()
 
 
+_STORE_PROBE = """
+import sys
+from patchload.coordination.store import job_store
+store = job_store()
+with store.lock:
+    seen = store.store.check(["probe"])
+    store.store.set("probe", "from an earlier job")
+print(store.kind, seen, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_node_local_store_of_a_killed_job_is_not_read_by_the_next(tmp_path: Path) -> None:
+    """Ranks started by hand from one parent (the same job name) and all SIGKILLed leave their
+    node-local store file behind; the next job of that name finds every user gone, drops it and
+    starts clean (it never sees the dead job's claims)."""
+    from _launch import job_env
+
+    env = job_env("http://127.0.0.1:9", tmp_path / "hf", tmp_path / "out",
+                  TMPDIR=str(tmp_path), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+
+    def start() -> list[subprocess.Popen]:
+        return [subprocess.Popen([sys.executable, "-c", _STORE_PROBE], text=True,
+                                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                for r in range(2)]
+
+    first = start()
+    try:
+        lines = sorted(p.stdout.readline().strip() for p in first)  # type: ignore[union-attr]
+        assert lines == ["file False", "file True"], lines
+        for proc in first:
+            proc.kill()
+            proc.wait(timeout=30)
+        (store_file,) = (tmp_path / f"patchload-{os.getuid()}").glob("store-*")
+        second = start()
+        first += second
+        lines = sorted(p.stdout.readline().strip() for p in second)  # type: ignore[union-attr]
+        assert lines == ["file False", "file True"], lines  # one of the new job saw it first
+        for proc in second:
+            proc.communicate("", timeout=60)
+            assert proc.returncode == 0
+        assert not store_file.exists()
+    finally:
+        for proc in first:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 # --- security ---------------------------------------------------------------------------------
 
 def _sources() -> list[Path]:
@@ -742,8 +793,6 @@ def test_store_values_are_parsed_as_json_only() -> None:
 def test_files_patchload_creates_are_private_and_not_followed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from patchload.coordination import scope as _scope, store as _store
-    from patchload._config import load_config
-    from patchload._topology import Topology
 
     # The private directory: 0700, owned by us; when open to others or a symlink, not used: a
     # fresh 0700 one instead (the process's fallback, reset here after each check).
@@ -766,21 +815,9 @@ def test_files_patchload_creates_are_private_and_not_followed(
 
     # The scope marker (rank 0, several nodes): 0600, created with O_NOFOLLOW.
     cache = tmp_path / "hub"
-    monkeypatch.setattr(_scope, "_hub_cache", lambda: cache)
     monkeypatch.setattr(_scope.atexit, "register", lambda *a, **k: None)
-    import threading
-
-    class _Store:
-        def __init__(self) -> None:
-            self.data: dict[str, str] = {}
-
-        def set(self, key: str, value: str) -> None:
-            self.data[key] = value
-
-    store = type("S", (), {"store": _Store(), "lock": threading.RLock(), "node_local": False})()
-    topology = Topology(0, 4, 0, 2, 0, "torchrun")
-    assert _scope._detect(topology, store, load_config({}).timeout_s) == "job"
-    (marker,) = cache.glob(".patchload-scope-*")
+    marker = _scope._write_marker(cache, "nonce1")
+    assert marker.name == ".patchload-scope-nonce1"
     assert stat.S_IMODE(os.lstat(marker).st_mode) == 0o600
     # A symlink planted where the marker goes is not followed (its target is not truncated).
     target = tmp_path / "victim"
@@ -788,7 +825,7 @@ def test_files_patchload_creates_are_private_and_not_followed(
     marker.unlink()
     marker.symlink_to(target)
     with pytest.raises(OSError) as info:
-        _scope._detect(topology, store, 1.0)
+        _scope._write_marker(cache, "nonce1")
     assert info.value.errno == errno.ELOOP
     assert target.read_text() == "keep me"
     marker.unlink()  # the planted link; nothing of patchload may outlive the suite

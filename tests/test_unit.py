@@ -343,3 +343,25 @@ def test_private_dir_is_created_0700_and_reused(tmp_path):
     assert out == {"dir": f"{tmp_path}/patchload-{os.getuid()}", "again": out["dir"],
                    "uid": os.getuid(), "mode": "0o700", "isdir": True}
     assert proc.stderr == ""
+
+
+def test_main_process_first_job_scope_needs_a_job_wide_store(tmp_path):
+    """srun, 2 nodes x 2 tasks, before init_process_group: only a node-local store exists, so a
+    job-scoped block would get one leader per node at once; it raises instead, naming the cause."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PATCHLOAD"))
+           and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_LOCALID="0", SLURM_NODEID="0",
+               SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="77", TMPDIR=str(tmp_path))
+    code = ("import patchload\n"
+            "try:\n"
+            "    with patchload.main_process_first(scope='job'):\n"
+            "        print('block ran')\n"
+            "except patchload.PatchloadError as err:\n"
+            "    print('raised:', err)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("raised: [rank 0/4] main_process_first(scope='job'): no "
+                                 "job-wide store to coordinate 2 nodes through"), out.stdout
+    assert "block ran" not in out.stdout

@@ -24,6 +24,7 @@ import contextvars
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Iterator
 
@@ -244,9 +245,12 @@ class _Coordinated:
     lead_with: Callable[..., Any] | None = None
     offline_kwarg: bool = True
     local: dict[str, Any] = dataclasses.field(default_factory=dict)
+    did: str = "made the call"
+    """What this rank did, for its INFO line."""
 
     def lead(self, call: _coordinate.Call
              ) -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
+        self.did = f"led it ({call.scope} scope)"
         mode = Mode(lead=True, call=call, loads_model=self.share is not None)
         result = self._run(mode, self.lead_with or self.wrapped, self.kwargs)
         payload, after = self.share(result, call, mode) if self.share is not None else ({}, None)
@@ -277,7 +281,10 @@ class _Coordinated:
         except BaseException as err:
             if leader_failure or not isinstance(err, Exception) or not _leader_succeeded(mode):
                 raise
+            self.did = (f"followed rank {role.leader_rank}, then made the call plainly "
+                        f"({type(err).__name__})")
             return self._plain_after(call, role, err, rng)
+        self.did = f"followed rank {role.leader_rank}: no request" + _weights_note(mode)
         return self.settle(result, mode) if self.settle is not None else result
 
     def _check_local(self, mode: Mode) -> None:
@@ -310,6 +317,18 @@ class _Coordinated:
         _set_rng_state(rng)  # the rerun may have drawn random numbers a plain call draws once
         with plain():
             return self.wrapped(*self.args, **self.kwargs)
+
+
+def _weights_note(mode: Mode) -> str:
+    received = mode.used.get("received")
+    if received is None:
+        return ""
+    entries, tensors, skip = received
+    taken = {index for name, _, index, _ in entries if name not in skip}
+    size = sum(tensors[i].numel() * tensors[i].element_size() for i in taken)
+    how = {"shm": "mapped", "collective": "received"}.get(
+        (mode.payload.get("weights") or {}).get("transport"), "taken")
+    return f", {size} bytes of weights {how}"
 
 
 def _leader_succeeded(mode: Mode) -> bool:
@@ -360,7 +379,6 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     if _PLAIN.get() or not _state.active() or not current_topology().distributed:
         return wrapped(*args, **kwargs)
     mode = _MODE.get()
-    hub = name in _HUB_DOWNLOADS
     deciding: dict[str, str] = {}
     if call is None:
         # A model load nested in a call that loads no model itself (a sentence-transformers
@@ -386,8 +404,13 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                        offline_kwarg, _local_paths(deciding))
     # A model load's followers build their model while the leader loads; they wait for its
     # weights (the outcome) when they need them.
-    return _recorded(mode, name, args, kwargs, lambda: _coordinate.leader_first(
+    start = time.monotonic()
+    result = _recorded(mode, name, args, kwargs, lambda: _coordinate.leader_first(
         call, one.lead, one.follow, early=share is not None))
+    if mode is None:  # one line per rank per top-level call
+        logger.info("%s %s: %s, in %.2f s", call.prefix(), what, one.did,
+                    time.monotonic() - start)
+    return result
 
 
 def _recorded(mode: Mode | None, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -439,5 +462,21 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     # decision is what the others wait for.
     hub_scope = download_scope(config, topology, job_store())
     call = _coordinate.call_key(name, deciding, scope=scope or hub_scope, topology=topology,
-                                config=config, what=what)
+                                config=config, what=what, watch=_repo_folder(args, kwargs))
     return call, deciding
+
+
+def _repo_folder(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The hub cache folder of the repo a call names (its first string argument, when that is
+    not a local path), whose growth shows a leader's download progress."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    source = kwargs.get("repo_id", kwargs.get("pretrained_model_name_or_path"))
+    if source is None:
+        source = next((a for a in args if isinstance(a, (str, os.PathLike))), None)
+    if not isinstance(source, str) or os.path.exists(source) or source.count("/") > 1:
+        return None
+    repo_type = kwargs.get("repo_type") or "model"
+    cache = kwargs.get("cache_dir") or constants.HF_HUB_CACHE
+    return os.path.join(os.fspath(cache), repo_folder_name(repo_id=source, repo_type=repo_type))

@@ -32,9 +32,8 @@ from .identity import node_id, process_alive
 from .key import digest
 from .store import JobStore, job_store
 
-__all__ = ["Call", "Role", "call_key", "claim", "files_ready", "gone_ranks", "leader_first",
-           "leading", "node_leaders_call", "pending_followers", "publish", "raise_failure",
-           "wait_followers_done", "wait_outcome"]
+__all__ = ["Call", "Role", "call_key", "claim", "files_ready", "leader_first", "leading",
+           "node_leaders_call", "publish", "raise_failure", "wait_outcome"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +55,8 @@ class Call:
         topology: this rank's topology when the call was made.
         config: the configuration in force.
         store: the job store.
+        watch: a directory whose growth shows the leader's progress (the repo's folder in the
+            hub cache), or None.
     """
 
     key: str
@@ -64,6 +65,7 @@ class Call:
     topology: Topology
     config: Config
     store: JobStore
+    watch: str | None = None
 
     def prefix(self, leader_rank: int | None = None) -> str:
         """``[rank r/n]`` (and the leader) for log lines and error messages."""
@@ -76,7 +78,7 @@ _COUNTS_LOCK = threading.Lock()
 
 
 def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topology,
-             config: Config, what: str) -> Call:
+             config: Config, what: str, watch: str | None = None) -> Call:
     """Build the :class:`Call` for this process's next call of ``name`` with ``deciding`` arguments.
 
     Args:
@@ -87,6 +89,7 @@ def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topol
         topology: this rank's topology.
         config: the configuration in force.
         what: human-readable description of the call.
+        watch: see :attr:`Call.watch`.
 
     Returns:
         The call, whose key also counts how many times this process made a call with the same
@@ -99,7 +102,7 @@ def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topol
     with _COUNTS_LOCK:
         count = _COUNTS[base]
         _COUNTS[base] += 1
-    return Call(f"{base}/{count}/", what, scope, topology, config, job_store())
+    return Call(f"{base}/{count}/", what, scope, topology, config, job_store(), watch)
 
 
 def node_leaders_call(call: Call) -> Call:
@@ -113,7 +116,7 @@ def node_leaders_call(call: Call) -> Call:
         raise ValueError(f"{call.prefix()}: node_leaders_call needs a node-scoped call, got "
                          f"scope {call.scope!r} for {call.what}")
     key = "job/leaders/" + call.key.split("/", 1)[1]
-    return Call(key, call.what, "job", call.topology, call.config, call.store)
+    return Call(key, call.what, "job", call.topology, call.config, call.store, call.watch)
 
 
 @dataclass(frozen=True)
@@ -126,13 +129,18 @@ class Role:
     leader_node: str
 
 
-def claim(call: Call) -> tuple[Call, Role]:
+def claim(call: Call, *, retry_failed: bool = True) -> tuple[Call, Role]:
     """Claim the leadership of ``call``'s current attempt, or learn who holds it. Not
     collective; never waits.
 
     An **attempt** is one run of the call by one leader. A rank that arrives after an attempt
     failed (its error outcome is published) was not waiting on it: it starts the next attempt
     instead of inheriting that error (a rank-0-only probe, a transient error before a retry).
+
+    Args:
+        call: the call, from :func:`call_key`.
+        retry_failed: False: a late rank follows the failed attempt too, inheriting its error
+            (``main_process_first``: the block is the job's, not a request of the rank's own).
 
     Returns:
         The attempt (``call`` with its key narrowed to ``.../a<n>/``) and this rank's role in it:
@@ -146,7 +154,7 @@ def claim(call: Call) -> tuple[Call, Role]:
             _grace(narrowed)
         with call.store.lock:
             holder = call.store.store.compare_set(narrowed.key + "leader", "", me).decode()
-            failed = holder != me and _failed(narrowed)
+            failed = retry_failed and holder != me and _failed(narrowed)
         if not failed:
             info = json.loads(holder)
             return narrowed, Role(holder == me, int(info["rank"]), int(info["pid"]),
@@ -281,6 +289,7 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
     """
     cfg, store = call.config, call.store
     start = last_beat_at = last_progress = time.monotonic()
+    last_present = _bytes_under(call.watch)
     last_beat = None
     poll = _POLL_MIN_S
     while True:
@@ -313,13 +322,30 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
                 rank=call.topology.rank, leader_rank=role.leader_rank, waited_s=waited)
         if cfg.progress_warning_s is not None and waited > cfg.progress_warning_s \
                 and now - last_progress > cfg.progress_warning_s:
-            last_progress = now
+            present = _bytes_under(call.watch)
+            rate = (present - last_present) / max(1e-9, now - last_progress)
+            last_progress, last_present = now, present
             logger.warning("%s: still waiting for the leader, alive and beating (%.0f s so far; "
-                           "%s)", call.prefix(role.leader_rank), waited,
+                           "%s); %s", call.prefix(role.leader_rank), waited,
                            "no bound on the total wait" if cfg.timeout_s is None
-                           else f"PATCHLOAD_TIMEOUT {cfg.timeout_s:.0f} s")
+                           else f"PATCHLOAD_TIMEOUT {cfg.timeout_s:.0f} s",
+                           "its progress is not visible here" if call.watch is None else
+                           f"{present / 2**20:.1f} MiB of its files in the cache, "
+                           f"{rate / 2**20:.1f} MiB/s")
         time.sleep(poll)
         poll = min(_POLL_MAX_S, poll * 1.5)
+
+
+def _bytes_under(path: str | None) -> int:
+    """Bytes of the files under ``path`` (partial downloads included); 0 when absent."""
+    if path is None:
+        return 0
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
 
 
 def raise_failure(call: Call, role: Role, outcome: dict[str, Any]) -> None:
@@ -419,95 +445,3 @@ def leader_first(call: Call,
     finally:
         with call.store.lock:
             call.store.store.set(call.key + f"done/{call.topology.rank}", "1")
-
-
-def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
-    """Leader: the followers of ``call`` that may still need something only its process holds.
-
-    Not collective; never waits. A follower counts until it is done with the call (its
-    ``done`` key is set) or, on this node, its process is gone (a zombie counts as gone).
-
-    Args:
-        call: a call this rank leads.
-        arrived_only: True: only followers that already announced they wait for the outcome
-            (a rank that never makes the call is not counted). False: also the ranks of the
-            call's scope that have not arrived yet.
-
-    Returns:
-        Their global ranks, ascending.
-    """
-    topology = call.topology
-    ranks = topology.node_ranks() if call.scope == "node" else range(topology.world_size)
-    pending = []
-    with call.store.lock:
-        for r in ranks:
-            if r == topology.rank or call.store.store.check([call.key + f"done/{r}"]):
-                continue
-            if not call.store.store.check([call.key + f"arrived/{r}"]):
-                if not arrived_only:
-                    pending.append(r)
-                continue
-            arrived = json.loads(call.store.store.get(call.key + f"arrived/{r}"))
-            if not process_alive(arrived["node"], int(arrived["pid"])):
-                continue
-            pending.append(r)
-    return pending
-
-
-def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, *,
-               settle_s: float = 1.0) -> list[int]:
-    """The ranks among ``ranks`` that took part in the call ``key`` (its leader, or a follower
-    that arrived) and whose process on this node has exited. Not collective.
-
-    Ranks on other nodes cannot be watched and are never counted. Waits up to ``settle_s``
-    seconds for one to be found: a peer's broken connection is seen a moment before its
-    process is gone.
-
-    Returns:
-        Their global ranks, ascending (empty when none is known to be gone).
-    """
-    here = node_id()
-    pids: dict[int, int] = {}
-    with store.lock:
-        if store.store.check([key + "leader"]):
-            leader = json.loads(store.store.get(key + "leader"))
-            if leader["node"] == here:
-                pids[int(leader["rank"])] = int(leader["pid"])
-        for r in ranks:
-            if r not in pids and store.store.check([key + f"arrived/{r}"]):
-                arrived = json.loads(store.store.get(key + f"arrived/{r}"))
-                if arrived["node"] == here:
-                    pids[r] = int(arrived["pid"])
-    deadline = time.monotonic() + settle_s
-    while True:
-        gone = sorted(r for r in ranks if r in pids and not process_alive(here, pids[r]))
-        if gone or time.monotonic() > deadline:
-            return gone
-        time.sleep(0.05)
-
-
-def wait_followers_done(call: Call, timeout_s: float, *, late_s: float = 0.0) -> None:
-    """Leader: wait until every follower that arrived at ``call`` is done with it (or dead).
-
-    Bounded by ``timeout_s`` seconds; logs what it waits for. Used before a leader exits while
-    followers may still need something only its process holds (a shared-memory blob).
-
-    Args:
-        call: a call this rank leads.
-        timeout_s: the most this waits, in seconds.
-        late_s: for the first ``late_s`` seconds also wait for ranks of the scope that have not
-            arrived yet (a follower reaches a nested call only after its enclosing call).
-    """
-    start = time.monotonic()
-    deadline = start + timeout_s
-    logged = False
-    while time.monotonic() < deadline:
-        pending = pending_followers(call, arrived_only=time.monotonic() - start > late_s)
-        if not pending:
-            return
-        if not logged:
-            logger.info("%s: before exiting, waiting up to %.0f s for ranks %s to take the "
-                        "shared weights (at most %.0f s for ranks that have not reached the "
-                        "call)", call.prefix(), deadline - time.monotonic(), pending, late_s)
-            logged = True
-        time.sleep(0.05)

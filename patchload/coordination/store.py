@@ -17,6 +17,8 @@ restarted job never sees the keys of the attempt before.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import logging
 import os
 import tempfile
@@ -24,11 +26,9 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Iterator
 
-import psutil
-
-from .identity import job_id
+from .identity import job_id, node_id, process_alive
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -146,10 +146,46 @@ def _leave_file_store(base: Store, path: Path) -> None:
     try:
         last = base.add(_EXITED_KEY, 1) >= base.add(_USERS_KEY, 0)
         pids = {int(pid) for pid in base.get(_PIDS_KEY).decode().split(",") if pid}
-        if last or all(pid == os.getpid() or not psutil.pid_exists(pid) for pid in pids):
+        here = node_id()
+        if last or all(pid == os.getpid() or not process_alive(here, pid) for pid in pids):
             path.unlink(missing_ok=True)
     except Exception as err:  # noqa: BLE001 - at exit; the file is only left behind
         logger.debug("leaving the node-local store %s failed: %s", path, err)
+
+
+@contextlib.contextmanager
+def _directory_locked(directory: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``directory`` itself: the node's processes open or drop a
+    store file in it one at a time. (A ``filelock.FileLock`` would leave a lock file behind in
+    the private directory; a directory needs none.)"""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _drop_if_abandoned(path: Path) -> None:
+    """Remove a node-local store file whose every user is gone (a job stopped by SIGTERM or
+    SIGKILL never counts itself out): a later job of the same name must not read its claims."""
+    if not path.exists():
+        return
+    import torch.distributed as dist
+
+    try:
+        old = dist.FileStore(str(path), -1)
+        pids = {int(pid) for pid in old.get(_PIDS_KEY).decode().split(",") if pid} \
+            if old.check([_PIDS_KEY]) else set()
+        del old
+    except Exception as err:  # noqa: BLE001 - unreadable: a file no live process can use either
+        logger.debug("node-local store %s unreadable (%s): removing it", path, err)
+        pids = set()
+    here = node_id()
+    if not any(process_alive(here, pid) for pid in pids):
+        logger.info("removing the node-local store %s of a job whose processes are all gone "
+                    "(pids %s)", path, sorted(pids))
+        path.unlink(missing_ok=True)
 
 
 def _make(kind: str) -> JobStore:
@@ -162,9 +198,11 @@ def _make(kind: str) -> JobStore:
         base = dist.distributed_c10d._get_default_store()
     else:
         path = private_dir() / f"store-{_namespace()}"
-        base = dist.FileStore(str(path), -1)
-        base.add(_USERS_KEY, 1)
-        base.append(_PIDS_KEY, f"{os.getpid()},")
+        with _directory_locked(path.parent):
+            _drop_if_abandoned(path)
+            base = dist.FileStore(str(path), -1)
+            base.add(_USERS_KEY, 1)
+            base.append(_PIDS_KEY, f"{os.getpid()},")
         atexit.register(_leave_file_store, base, path)
         logger.warning("no job-wide store (not under torchrun and no process group yet): "
                        "coordinating downloads inside this node only, through %s", path)

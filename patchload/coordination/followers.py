@@ -1,0 +1,115 @@
+"""Follower bookkeeping: which ranks arrived at a call, which are done with it, which are gone.
+
+A follower marks ``arrived/<rank>`` (its pid and node) when it starts waiting for an attempt and
+``done/<rank>`` when it is finished with it (see :func:`.protocol.leader_first`). A leader that
+holds something only its process can give (a shared-memory blob) asks here who still needs it;
+a broadcast member whose peer broke asks who is gone. Liveness is :mod:`.identity`'s: a rank on
+another node cannot be watched and counts as alive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from .._topology import Topology
+from .identity import node_id, process_alive
+from .protocol import Call
+from .store import JobStore
+
+__all__ = ["gone_ranks", "pending_followers", "wait_followers_done"]
+
+logger = logging.getLogger(__name__)
+
+
+def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
+    """Leader: the followers of ``call`` that may still need something only its process holds.
+
+    Not collective; never waits. A follower counts until it is done with the call (its
+    ``done`` key is set) or, on this node, its process is gone (a zombie counts as gone).
+
+    Args:
+        call: a call this rank leads.
+        arrived_only: True: only followers that already announced they wait for the outcome
+            (a rank that never makes the call is not counted). False: also the ranks of the
+            call's scope that have not arrived yet.
+
+    Returns:
+        Their global ranks, ascending.
+    """
+    topology = call.topology
+    ranks = topology.node_ranks() if call.scope == "node" else range(topology.world_size)
+    pending = []
+    with call.store.lock:
+        for r in ranks:
+            if r == topology.rank or call.store.store.check([call.key + f"done/{r}"]):
+                continue
+            if not call.store.store.check([call.key + f"arrived/{r}"]):
+                if not arrived_only:
+                    pending.append(r)
+                continue
+            arrived = json.loads(call.store.store.get(call.key + f"arrived/{r}"))
+            if not process_alive(arrived["node"], int(arrived["pid"])):
+                continue
+            pending.append(r)
+    return pending
+
+
+def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, *,
+               settle_s: float = 1.0) -> list[int]:
+    """The ranks among ``ranks`` that took part in the call ``key`` (its leader, or a follower
+    that arrived) and whose process on this node has exited. Not collective.
+
+    Ranks on other nodes cannot be watched and are never counted. Waits up to ``settle_s``
+    seconds for one to be found: a peer's broken connection is seen a moment before its
+    process is gone.
+
+    Returns:
+        Their global ranks, ascending (empty when none is known to be gone).
+    """
+    here = node_id()
+    pids: dict[int, int] = {}
+    with store.lock:
+        if store.store.check([key + "leader"]):
+            leader = json.loads(store.store.get(key + "leader"))
+            if leader["node"] == here:
+                pids[int(leader["rank"])] = int(leader["pid"])
+        for r in ranks:
+            if r not in pids and store.store.check([key + f"arrived/{r}"]):
+                arrived = json.loads(store.store.get(key + f"arrived/{r}"))
+                if arrived["node"] == here:
+                    pids[r] = int(arrived["pid"])
+    deadline = time.monotonic() + settle_s
+    while True:
+        gone = sorted(r for r in ranks if r in pids and not process_alive(here, pids[r]))
+        if gone or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.05)
+
+
+def wait_followers_done(call: Call, timeout_s: float, *, late_s: float = 0.0) -> None:
+    """Leader: wait until every follower that arrived at ``call`` is done with it (or dead).
+
+    Bounded by ``timeout_s`` seconds; logs what it waits for. Used before a leader exits while
+    followers may still need something only its process holds (a shared-memory blob).
+
+    Args:
+        call: a call this rank leads.
+        timeout_s: the most this waits, in seconds.
+        late_s: for the first ``late_s`` seconds also wait for ranks of the scope that have not
+            arrived yet (a follower reaches a nested call only after its enclosing call).
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    logged = False
+    while time.monotonic() < deadline:
+        pending = pending_followers(call, arrived_only=time.monotonic() - start > late_s)
+        if not pending:
+            return
+        if not logged:
+            logger.info("%s: before exiting, waiting up to %.0f s for ranks %s to take the "
+                        "shared weights (at most %.0f s for ranks that have not reached the "
+                        "call)", call.prefix(), deadline - time.monotonic(), pending, late_s)
+            logged = True
+        time.sleep(0.05)
