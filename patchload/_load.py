@@ -156,6 +156,8 @@ def _share(result: Any, call: Call, mode: Mode
     if model is None:
         return {}, None
     reason = _post_load_reason(model)
+    if reason is None and initialized_by_follower(mode.used.get("loading_info") or {}) is None:
+        reason = "keys missing from the checkpoint are initialised inside the step followers skip"
     if reason is not None:
         logger.info("%s: not sharing weights: %s; followers load them plainly",
                     call.prefix(), reason)
@@ -195,7 +197,7 @@ def _share(result: Any, call: Call, mode: Mode
             if not _EXIT_HOOKED:
                 atexit.register(_release_at_exit)
                 _EXIT_HOOKED = True
-            _OPEN_SHARES.append((call, descriptor))
+            _OPEN_SHARES.append((call, descriptor, time.monotonic()))
     logger.info("%s: shared %d tensors (%d bytes) with this node's ranks", call.prefix(),
                 len(entries), shared_bytes)
     return {"weights": info}, None
@@ -219,8 +221,10 @@ def _release_finished() -> None:
     with _OPEN_SHARES_LOCK:
         shares = list(_OPEN_SHARES)
     for entry in shares:
-        call, descriptor = entry
-        if pending_followers(call, arrived_only=False):
+        call, descriptor, shared_at = entry
+        # Ranks that have not arrived count only for a while: one that never makes the call (a
+        # rank-0-only load) must not pin the blob until exit.
+        if pending_followers(call, arrived_only=time.monotonic() - shared_at > _LATE_S):
             continue
         with _OPEN_SHARES_LOCK:
             if not any(e is entry for e in _OPEN_SHARES):
@@ -240,7 +244,7 @@ def _release_at_exit() -> None:
     with _OPEN_SHARES_LOCK:
         shares = list(_OPEN_SHARES)
         _OPEN_SHARES.clear()
-    for call, descriptor in shares:
+    for call, descriptor, _ in shares:
         elapsed = time.monotonic() - start
         wait_followers_done(call, max(0.0, call.config.exit_wait_s - elapsed),
                             late_s=max(0.0, _LATE_S - elapsed))
@@ -310,21 +314,23 @@ def receive(mode: Mode, model: Any) -> bool:
     weights = mode.payload.get("weights")
     if not weights or "received" in mode.used:
         return False
-    verify_so_far(mode)
-    skip = initialized_by_follower(weights.get("loading_info") or {})
-    if skip is None:  # this transformers line initialises them inside the replaced step
-        return False
-    entries = weights["entries"]
-    from ._broadcast import receive_collective
     from .transport import TensorMeta, TransportError, meta_of, shm
 
+    entries = weights["entries"]
     if weights["transport"] == "collective":
+        # A member joins the broadcast before anything else: the others wait for every member.
+        tensors = _join_broadcast(mode, weights)
+        verify_so_far(mode)
+        skip = initialized_by_follower(weights.get("loading_info") or {})
+        if tensors is None or skip is None:  # not a member, or a broken broadcast: load plainly
+            return False
         _check_structure(model, entries, [TensorMeta.from_json(m) for m in weights["metas"]],
                          skip)
-        tensors = receive_collective(weights)
-        if tensors is None:  # not a member of the leader's broadcast: load plainly
-            return False
     else:
+        verify_so_far(mode)
+        skip = initialized_by_follower(weights.get("loading_info") or {})
+        if skip is None:  # this transformers line initialises them inside the replaced step
+            return False
         try:
             tensors = shm.attach(weights["descriptor"])
         except TransportError as err:
@@ -335,6 +341,23 @@ def receive(mode: Mode, model: Any) -> bool:
     _assemble(model, entries, tensors, skip)
     mode.used["received"] = (entries, tensors, skip)
     return True
+
+
+def _join_broadcast(mode: Mode, weights: dict[str, Any]) -> list[torch.Tensor] | None:
+    """Follower: receive the leader's broadcast once (None: not a member, or it broke)."""
+    from ._broadcast import receive_collective
+
+    if "joined" not in mode.used:
+        mode.used["joined"] = receive_collective(weights)
+    return mode.used["joined"]
+
+
+def _abandon(mode: Mode) -> None:
+    """Follower giving up on the leader's result: still take part in its broadcast if this
+    rank is a member (the leader and the other members wait for every member)."""
+    weights = (mode.payload.get("weights") or {}) if mode.payload_of is not None else {}
+    if weights.get("transport") == "collective":
+        _join_broadcast(mode, weights)
 
 
 def _settle(result: Any, mode: Mode) -> Any:
@@ -425,9 +448,10 @@ def from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
         return coordinated(name, wrapped, args, kwargs, what=what)
     if _state.config().transport == "collective":
         return coordinated(name, wrapped, args, kwargs, what=what, scope="job", share=_share,
-                           settle=_settle)
+                           settle=_settle, abandon=_abandon)
     return coordinated(name, wrapped, args, kwargs, what=what, scope="node", share=_share,
-                       settle=_settle, lead_with=_node_leader_load(name, wrapped, what))
+                       settle=_settle, abandon=_abandon,
+                       lead_with=_node_leader_load(name, wrapped, what))
 
 
 def _node_leader_load(name: str, wrapped: Callable[..., Any],
@@ -461,7 +485,7 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
             return _settle(result, mode)
 
         return coordinated(name, wrapped, args, kwargs, what=what, share=share, settle=settle,
-                           call=node_leaders_call(node_call))
+                           abandon=_abandon, call=node_leaders_call(node_call))
 
     return load
 
@@ -474,7 +498,8 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     if mode.lead:
         files_ready(mode.call)  # every checkpoint file is in the cache by now
         result = wrapped(*args, **kwargs)
-        mode.used["loading_info"] = describe_loading_info(result)
+        # The model's own checkpoint: an adapter loaded inside the same call comes second.
+        mode.used.setdefault("loading_info", describe_loading_info(result))
         return result
     model = args[0] if args else kwargs.get("model")
     if not receive(mode, model):

@@ -204,17 +204,25 @@ def _offline(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rng_state() -> Any:
+    """torch's random-number state: the CPU generator's, and every CUDA device's once CUDA is
+    initialised (a load with ``device_map`` draws there)."""
     import sys
 
     torch = sys.modules.get("torch")
-    return None if torch is None else torch.random.get_rng_state()
+    if torch is None:
+        return None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda
 
 
 def _set_rng_state(state: Any) -> None:
     if state is not None:
         import torch
 
-        torch.random.set_rng_state(state)
+        cpu, cuda = state
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 @dataclass
@@ -229,9 +237,13 @@ class _Coordinated:
         share: run by the leader on the result; returns extra payload (weights) and a step to run
             once the payload is published (or None).
         settle: run by a follower on its result before returning it.
+        abandon: run by a follower that gives up on the leader's result (see
+            :class:`_Coordinated`).
         lead_with: what the leader runs in place of ``wrapped`` (same arguments).
         offline_kwarg: a follower reruns the call with ``local_files_only=True``.
         local: fingerprints of the local paths among the arguments.
+        abandon: run by a follower that gives up on the leader's result (before its plain
+            call), with what the leader may still be waiting on (a broadcast) to settle.
     """
 
     name: str
@@ -245,6 +257,7 @@ class _Coordinated:
     lead_with: Callable[..., Any] | None = None
     offline_kwarg: bool = True
     local: dict[str, Any] = dataclasses.field(default_factory=dict)
+    abandon: Callable[[Mode], None] | None = None
     did: str = "made the call"
     """What this rank did, for its INFO line."""
 
@@ -253,7 +266,15 @@ class _Coordinated:
         self.did = f"led it ({call.scope} scope)"
         mode = Mode(lead=True, call=call, loads_model=self.share is not None)
         result = self._run(mode, self.lead_with or self.wrapped, self.kwargs)
-        payload, after = self.share(result, call, mode) if self.share is not None else ({}, None)
+        payload: dict[str, Any] = {}
+        after = None
+        if self.share is not None:
+            try:
+                payload, after = self.share(result, call, mode)
+            except Exception as err:  # noqa: BLE001 - the leader's own load stands; it shares none
+                logger.warning("%s: sharing the weights failed (%s: %s): followers load their "
+                               "own", call.prefix(), type(err).__name__, err)
+                payload = {"weights": None, "reason": f"sharing failed: {err}"}
         return result, {**payload, "pins": mode.pins, "local": self.local}, after
 
     def follow(self, call: _coordinate.Call, role: _coordinate.Role,
@@ -278,14 +299,18 @@ class _Coordinated:
             differences = _differences(mode.pins, mode.payload.get("pins", {}))
             if differences:
                 raise VerificationFailed("; ".join(differences[:3]))
+            if self.settle is not None:
+                result = self.settle(result, mode)
         except BaseException as err:
             if leader_failure or not isinstance(err, Exception) or not _leader_succeeded(mode):
                 raise
+            if self.abandon is not None:
+                self.abandon(mode)  # e.g. a broadcast this rank is a member of
             self.did = (f"followed rank {role.leader_rank}, then made the call plainly "
                         f"({type(err).__name__})")
             return self._plain_after(call, role, err, rng)
         self.did = f"followed rank {role.leader_rank}: no request" + _weights_note(mode)
-        return self.settle(result, mode) if self.settle is not None else result
+        return result
 
     def _check_local(self, mode: Mode) -> None:
         theirs = mode.payload.get("local", {})
@@ -346,7 +371,8 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                 settle: Callable[[Any, Mode], Any] | None = None,
                 lead_with: Callable[..., Any] | None = None,
                 call: _coordinate.Call | None = None,
-                offline_kwarg: bool = True) -> Any:
+                offline_kwarg: bool = True,
+                abandon: Callable[[Mode], None] | None = None) -> Any:
     """Run ``wrapped(*args, **kwargs)`` leader-first across the ranks of its scope.
 
     Not collective: no rank waits for ranks that do not make the same call.
@@ -361,6 +387,8 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             ``used`` nested wrappers filled); returns extra payload for followers (weights) and a
             step to run once the payload is published (or None).
         settle: run by a follower on its result before returning it.
+        abandon: run by a follower that gives up on the leader's result (see
+            :class:`_Coordinated`).
         lead_with: what the leader runs in place of ``wrapped`` (same arguments), e.g. a node
             leader that takes the weights from the job leader instead of its disk.
         call: a call built by the caller (the node leaders' call inside a node-scoped load);
@@ -392,7 +420,8 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         # Top level, or (job-scoped downloads) nested in a node leader's call: the node leaders
         # coordinate it among themselves.
         try:
-            call, deciding = _call_of(name, wrapped, args, kwargs, what=what, scope=scope)
+            call, deciding = _call_of(name, wrapped, args, kwargs, what=what, scope=scope,
+                                      nested=mode is not None)
         except Unrenderable as err:
             logger.info("%s: not coordinated (%s): every rank makes this call itself", what, err)
             token = _MODE.set(None)  # hub calls inside are coordinated one by one
@@ -400,8 +429,13 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                 return wrapped(*args, **kwargs)
             finally:
                 _MODE.reset(token)
+    else:  # the caller's call (the node leaders'): its local paths are verified all the same
+        try:
+            deciding = deciding_arguments(wrapped, args, kwargs)
+        except Unrenderable:
+            deciding = {}
     one = _Coordinated(name, wrapped, args, kwargs, what, share, settle, lead_with,
-                       offline_kwarg, _local_paths(deciding))
+                       offline_kwarg, _local_paths(deciding), abandon)
     # A model load's followers build their model while the leader loads; they wait for its
     # weights (the outcome) when they need them.
     start = time.monotonic()
@@ -446,9 +480,13 @@ def _cache_dir(kwargs: dict[str, Any]) -> str:
 
 
 def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
-             kwargs: dict[str, Any], *, what: str, scope: str | None
+             kwargs: dict[str, Any], *, what: str, scope: str | None, nested: bool
              ) -> tuple[_coordinate.Call, dict[str, str]]:
     """The call to coordinate and its rendered arguments.
+
+    ``nested``: the call is made inside a coordinated one (a model inside a sentence-transformers
+    model): its ``local_files_only`` / ``force_download`` are then the enclosing call's, which a
+    follower sets itself, so they are left out of the key (the enclosing call's key holds them).
 
     Raises:
         Unrenderable: an argument has no stable rendering (the call is not matched).
@@ -456,11 +494,17 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     topology = current_topology()
     config = _state.config()
     deciding = deciding_arguments(wrapped, args, kwargs)
+    if nested:
+        deciding.pop("local_files_only", None)
+        deciding.pop("force_download", None)
     # Ranks whose caches differ never share a call: each would read another cache than its own.
     deciding["__cache__"] = _cache_dir(kwargs)
     # Decided by every rank at its first top-level call, whatever this call's scope: rank 0's
-    # decision is what the others wait for.
+    # decision is what the others wait for. A cache of the call's own (cache_dir=) is not the one
+    # the decision was made for: per node.
     hub_scope = download_scope(config, topology, job_store())
+    if kwargs.get("cache_dir") and deciding["__cache__"] != _cache_dir({}):
+        hub_scope = "node"
     call = _coordinate.call_key(name, deciding, scope=scope or hub_scope, topology=topology,
                                 config=config, what=what, watch=_repo_folder(args, kwargs))
     return call, deciding

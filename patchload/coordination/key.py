@@ -3,8 +3,10 @@
 Two ranks meet at one call only when their renderings are equal, so rendering is conservative:
 
 - by parameter name (positional and keyword spellings agree);
-- a string or path naming an existing local file or directory becomes its real absolute path
-  (``./ckpt`` in two working directories names two checkpoints);
+- the source argument (``pretrained_model_name_or_path`` and the like), when it names an existing
+  local file or directory, becomes its real absolute path (``./ckpt`` in two working directories
+  names two checkpoints; the caller fingerprints it); other strings stay as they are (a
+  ``cache_dir`` that a leader creates meanwhile, a ``revision`` that happens to name a folder);
 - containers recursively (sets sorted), configs by their ``to_dict()``, dtypes and devices by
   name, tensors and modules by structure (names, shapes, dtypes), never by their values' bytes;
 - anything else that has no stable, bounded rendering (an object whose ``repr`` raises or names
@@ -37,6 +39,9 @@ _VOLATILE: Final = frozenset({
 })
 # Credentials: identity by hash only (two users' tokens may see two different repos).
 _SECRETS: Final = frozenset({"token", "use_auth_token"})
+# What a call loads from: a repo id, or a local path (then rendered as ``path:<real path>``).
+SOURCES: Final = frozenset({"pretrained_model_name_or_path", "model_name_or_path", "model_id",
+                            "peft_model_id", "arg0"})
 
 
 class Unrenderable(Exception):
@@ -53,24 +58,25 @@ class _Budget:
             raise Unrenderable(f"more than {_MAX_ITEMS} items")
 
 
-def _path_or_str(value: str) -> str:
-    # transformers and diffusers treat an existing local path as a local checkpoint.
+def _source(value: Any) -> str | None:
+    """``path:<real path>`` when ``value`` names an existing local file or directory
+    (transformers and diffusers then load from it, not from the hub), else None."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value or len(value) > 4096:
+        return None
     try:
-        if value and len(value) < 4096 and os.path.exists(value):
-            return "path:" + os.path.realpath(value)
+        return "path:" + os.path.realpath(value) if os.path.exists(value) else None
     except (OSError, ValueError):
-        pass
-    return repr(value)
+        return None
 
 
 def _render(value: Any, budget: _Budget) -> str:
     budget.spend()
-    if value is None or isinstance(value, (bool, int, float)):
+    if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)
-    if isinstance(value, str):
-        return _path_or_str(value)
     if isinstance(value, os.PathLike):
-        return _path_or_str(os.fspath(value))  # type: ignore[arg-type]
+        return "pathlike:" + repr(os.fspath(value))
     if isinstance(value, bytes):
         return "bytes:" + hashlib.sha1(value).hexdigest()
     if isinstance(value, dict):
@@ -110,12 +116,13 @@ def _render_torch(value: Any, budget: _Budget) -> str:
         return str(value)
     if isinstance(value, torch.Tensor):  # by structure: hashing values costs as much as a load
         return f"tensor({value.dtype},{tuple(value.shape)},{value.device.type})"
-    if isinstance(value, torch.nn.Module):
+    if isinstance(value, torch.nn.Module):  # not state_dict(): it runs hooks (FSDP gathers)
         parts = [f"module:{type(value).__module__}.{type(value).__qualname__}"]
         config = getattr(value, "config", None)
         if config is not None:
             parts.append(_render(config, budget))
-        for name, tensor in value.state_dict(keep_vars=True).items():
+        for name, tensor in [*value.named_parameters(remove_duplicate=False),
+                             *value.named_buffers(remove_duplicate=False)]:
             budget.spend()
             parts.append(f"{name}:{tensor.dtype}{tuple(tensor.shape)}")
         return "|".join(parts)
@@ -152,6 +159,10 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
             token = value if isinstance(value, (str, bool, type(None))) else repr(type(value))
             rendered[name] = hashlib.sha256(repr(token).encode()).hexdigest()[:16]
             continue
+        source = _source(value) if name in SOURCES else None
+        if source is not None:
+            rendered[name] = source
+            continue
         budget = _Budget()
         try:
             text = _render(value, budget)
@@ -159,6 +170,8 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
             raise Unrenderable(f"argument {name!r}: {err}") from None
         except RecursionError:
             raise Unrenderable(f"argument {name!r}: nested too deeply") from None
+        except Exception as err:  # noqa: BLE001 - a user object's attribute access may raise
+            raise Unrenderable(f"argument {name!r}: rendering raised {err!r}") from None
         if len(text) > _MAX_CHARS:
             raise Unrenderable(f"argument {name!r}: more than {_MAX_CHARS} characters")
         rendered[name] = text
