@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import time
@@ -65,7 +66,7 @@ def _wait_key(store: JobStore, key: str, wait_s: float) -> str | None:
     while True:
         with store.lock:
             if store.store.check([key]):
-                return store.store.get(key).decode()
+                return str(json.loads(store.store.get(key)))
         if time.monotonic() > deadline:
             return None
         time.sleep(_POLL_S)
@@ -88,7 +89,7 @@ def _decide(topology: Topology, store: JobStore, wait_s: float) -> str:
                        "node's hub cache (PATCHLOAD_SCOPE_WAIT): downloads per node",
                        topology.rank, sorted(set(others) - set(answered)), wait_s)
     with store.lock:
-        store.store.set("scope/decision", decision)
+        store.store.set("scope/decision", json.dumps(decision))
     return decision
 
 
@@ -99,7 +100,7 @@ def _detect(topology: Topology, store: JobStore, config: Config) -> str:
         nonce = uuid.uuid4().hex
         _write_marker(cache, nonce)
         with store.lock:
-            store.store.set("scope/nonce", nonce)
+            store.store.set("scope/nonce", json.dumps(nonce))
         return _decide(topology, store, wait_s)
     nonce = _wait_key(store, "scope/nonce", wait_s)
     if nonce is None:

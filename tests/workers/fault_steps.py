@@ -17,7 +17,7 @@ each step is a dict:
   ``repo`` (``safetensors.safe_open``; only a leader does) SIGKILLs itself or raises.
 * ``kill_after_publish``: the rank that publishes a successful outcome for ``repo`` waits until
   rank ``attached_rank`` returned from its own call, then SIGKILLs itself.
-* ``remote_leader``: the leader claims the call under another host name, so followers cannot
+* ``remote_leader``: the followers take the leader for one on another node, so they cannot
   watch its pid and must notice its death by its heartbeat stopping.
 * ``late_rank``: this rank calls only after the step's leader process is dead.
 * ``self_kill``: ``{"rank": r, "after_s": s}``: rank r SIGKILLs itself s seconds into its call.
@@ -413,10 +413,10 @@ def run_step(step: dict[str, Any], repos: dict[str, str], report: dict[str, Any]
     leader = step.get("leader")
     if leader is not None:
         if RANK == leader:
-            if step.get("remote_leader"):
-                coordinate._HOST = "simulated-remote-host"
             SYNC.set(f"calling/{name}", "1")
         else:
+            if step.get("remote_leader"):  # as if on another node: its pid cannot be watched
+                coordinate.process_alive = lambda node, pid: True
             SYNC.wait_key(f"calling/{name}")
             time.sleep(0.5)
     if RANK == step.get("late_rank"):
