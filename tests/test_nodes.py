@@ -109,8 +109,10 @@ def test_leader_sigkilled_on_node1_while_node0_waits(namespaces: None, hub: Loop
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, world_size=-1, is_master=True,
                           wait_for_workers=False)
+    # The step names its leader (rank 2): no claim grace for rank 0.
     base = job_env(hub.endpoint, tmp_path / "hf", out, PATCHLOAD_HEARTBEAT=str(HEARTBEAT_S),
-                   PATCHLOAD_TIMEOUT="60", PATCHLOAD_DOWNLOAD_SCOPE="job")
+                   PATCHLOAD_TIMEOUT="60", PATCHLOAD_DOWNLOAD_SCOPE="job",
+                   PATCHLOAD_CLAIM_GRACE="0")
     envs = _two_node_ranks(base, port)
     cmds = [[sys.executable, str(WORKERS / "fault_steps.py"), str(plan)]] * len(envs)
     try:

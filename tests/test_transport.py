@@ -642,7 +642,7 @@ def test_shm_rejects_non_cpu_and_bad_descriptors(tmp_path):
     descriptor, _ = shm.share([torch.arange(4)])
     try:
         with pytest.raises(ShmAttachError, match="another host"):
-            shm.attach({**descriptor, "boot_id": "elsewhere"})
+            shm.attach({**descriptor, "node": "elsewhere"})
         with pytest.raises(ValueError, match="version"):
             shm.attach({**descriptor, "version": 99})
     finally:

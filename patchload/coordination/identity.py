@@ -20,24 +20,31 @@ from typing import Final
 
 import psutil
 
-__all__ = ["cache_identity", "job_id", "node_id", "process_alive"]
+__all__ = ["cache_identity", "job_id", "kernel_id", "node_id", "process_alive"]
 
 _BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
 
 
-def node_id() -> str:
-    """This process's node: ``<boot id>/<pid namespace inode>`` (a short stable string).
-
-    Falls back to the hostname's hash where ``/proc`` lacks either file (not Linux).
-    """
+def kernel_id() -> str:
+    """This process's kernel: its boot id. Processes of one kernel see one filesystem (and may
+    share a download) even from two PID namespaces (containers with host networking). Falls back
+    to the hostname's hash where ``/proc`` lacks it (not Linux)."""
     try:
-        boot = Path(_BOOT_ID).read_text().strip()
-        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+        return Path(_BOOT_ID).read_text().strip()
     except OSError:
         import socket
 
         return "host-" + hashlib.sha1(socket.gethostname().encode()).hexdigest()[:16]
-    return f"{boot}/{pid_ns}"
+
+
+def node_id() -> str:
+    """This process's node: ``<boot id>/<pid namespace inode>``. Only processes of one node can
+    watch each other's pids or open each other's file descriptors through ``/proc``."""
+    try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = 0
+    return f"{kernel_id()}/{pid_ns}"
 
 
 def process_alive(node: str, pid: int) -> bool:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Final, Iterator, TypeVar
 from .._config import Config
 from .._errors import LeaderFailedError, PatchloadTimeout, describe_exception, follower_exception
 from .._topology import Topology
-from .identity import node_id, process_alive
+from .identity import kernel_id, node_id, process_alive
 from .key import digest
 from .store import JobStore, job_store
 
@@ -95,9 +95,11 @@ def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topol
         The call, whose key also counts how many times this process made a call with the same
         name and arguments (so the n-th call on one rank meets the n-th call on the others).
     """
-    # A node is a kernel and PID namespace (identity.node_id), not the launcher's node index: ranks
-    # the launcher calls one node may sit on two hosts (srun + mp.spawn with a hand-made group).
-    where = "node-" + digest("node", {"id": node_id()}) if scope == "node" else "job"
+    # A node's calls are the launcher's node index on one kernel (identity.kernel_id): ranks the
+    # launcher calls one node may sit on two hosts (srun + mp.spawn with a hand-made group), and
+    # two PID namespaces of one host share its files (their liveness is the heartbeat's).
+    where = ("node-" + digest("node", {"kernel": kernel_id(), "index": str(topology.node)})
+             if scope == "node" else "job")
     base = f"{where}/{name}/{digest(name, deciding)}"
     with _COUNTS_LOCK:
         count = _COUNTS[base]

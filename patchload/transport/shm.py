@@ -30,6 +30,7 @@ from typing import Any, Callable, Final, Mapping, Sequence
 
 import torch
 
+from patchload.coordination.identity import node_id
 from patchload.transport import (
     LeaderGoneError,
     ShmAttachError,
@@ -42,7 +43,7 @@ __all__ = ["share", "attach", "release"]
 
 logger = logging.getLogger(__name__)
 
-DESCRIPTOR_VERSION: Final = 1
+DESCRIPTOR_VERSION: Final = 2
 ALIGN_BYTES: Final = 64
 MEMFD_NAME: Final = "patchload"
 
@@ -110,7 +111,7 @@ def share(
 
     Returns:
         ``(descriptor, replacements)``. ``descriptor`` is JSON-able:
-        ``{"version", "pid", "boot_id", "fd", "nbytes", "dev", "ino", "files": [...],
+        ``{"version", "pid", "node", "fd", "nbytes", "dev", "ino", "files": [...],
         "tensors": [...]}``; ``fd`` is None when nothing needed copying. ``replacements`` holds
         one tensor per input.
 
@@ -170,7 +171,7 @@ def share(
     t = None  # type: ignore[assignment]  # hold no tensor while writing (see "Peak memory")
 
     descriptor: dict[str, Any] = {
-        "version": DESCRIPTOR_VERSION, "pid": os.getpid(), "boot_id": _boot_id(),
+        "version": DESCRIPTOR_VERSION, "pid": os.getpid(), "node": node_id(),
         "fd": None, "nbytes": 0, "dev": None, "ino": None, "files": files, "tensors": entries,
     }
     replacements: list[torch.Tensor] = []
@@ -248,10 +249,10 @@ def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
         raise ValueError(f"not a patchload shm descriptor: {err!r}") from err
     if version != DESCRIPTOR_VERSION:
         raise ValueError(f"shm descriptor version {version!r}, expected {DESCRIPTOR_VERSION}")
-    if descriptor.get("boot_id") != _boot_id():
+    if descriptor.get("node") != node_id():
         raise ShmAttachError(f"cannot attach to tensors shared by pid {pid}: they were shared on "
-                             "another host (or before a reboot); shm works inside one node only",
-                             cause="boot id differs")
+                             "another host, in another PID namespace or before a reboot; shm "
+                             "works inside one node only", cause="node differs")
 
     blob: torch.UntypedStorage | None = None
     if descriptor.get("fd") is not None:
@@ -436,14 +437,6 @@ def _view(storage: torch.UntypedStorage, offset_bytes: int, dtype: torch.dtype,
           shape: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, offset_bytes // dtype.itemsize,
                                             tuple(shape), tuple(stride))
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 # --- follower helpers ---------------------------------------------------------------------------
