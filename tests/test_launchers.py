@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -165,11 +166,15 @@ def test_deepspeed_launcher_file_store_and_zero3_steps_aside(
     _check_topologies(job, _one_node(3, "deepspeed"))
     _check_coordinated(job, "load", nodes={0: [0, 1, 2]}, repo="launch/ds", files=LLAMA_FILES,
                        store="file")
-    # Every rank runs the load at once; each hub call inside is led by whichever rank claims it
-    # first: every request is made once in all.
+    # Every rank runs the load at once; each hub call inside is led by rank 0 (or whichever rank
+    # claims it first): every request is made once in all, but a probe that fails (a 404 for an
+    # optional file, adapter_config.json) may be repeated by a rank that arrived after it
+    # failed: an error is inherited only by the ranks that waited for it, as in a plain call.
     window = job.window("zero3")
     signature = request_signature(window)
-    assert signature and set(signature.values()) == {1}, signature
+    assert signature and {n for (_, _, status), n in signature.items() if status != 404} == {1}, \
+        signature
+    assert all(n <= 3 for n in signature.values()), signature
     assert {name for _, name in gets_per_file(window)} >= set(LLAMA_FILES), signature
     want = {n: t["sha256"] for n, t in job.ranks[0]["steps"]["load"]["reference"]["tensors"]
             .items() if t["kind"] == "param"}
@@ -179,7 +184,10 @@ def test_deepspeed_launcher_file_store_and_zero3_steps_aside(
         assert record["checkpoint"]["opens"] >= 1, (rank, record["checkpoint"])
         assert [line for line in record["log"] if "DeepSpeed ZeRO-3 is enabled" in line], \
             (rank, record["log"])
-        assert len(record["log"]) == 1, (rank, record["log"])  # nothing shared, no fallback
+        # Nothing shared, no fallback: besides that line, only each call's summary line.
+        others = [line for line in record["log"] if "DeepSpeed ZeRO-3 is enabled" not in line
+                  and not re.search(r": (led it|followed rank \d+: no request)", line)]
+        assert not others and len(record["log"]) > 1, (rank, record["log"])
         got = {n: t["sha256"] for n, t in record["fingerprint"]["tensors"].items()
                if t["kind"] == "param"}
         assert got == want, rank
