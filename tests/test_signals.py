@@ -52,3 +52,19 @@ def test_each_rank_says_what_it_did_and_a_waiting_follower_warns(
     assert {r.rank for r in job.requests} == {0}, job.requests
     paths = {report["path"] for report in job.ranks.values()}
     assert len(paths) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_call_rank0_never_makes_costs_at_most_the_grace(hub: LoopbackHub,
+                                                           tmp_path: Path) -> None:
+    """Rank 0 never makes the call: after ``PATCHLOAD_CLAIM_GRACE`` (2 s here) the lowest of the
+    others that claims it leads; every rank gets the config, one rank asks the hub."""
+    hub.add_repo("sig/alone", models.tiny_llama(tmp_path / "repo", with_tokenizer=False))
+    env = job_env(hub.endpoint, tmp_path / "hf", tmp_path / "out", PATCHLOAD_CLAIM_GRACE="2")
+    job = run_torchrun(hub, "signals", ["--without-rank0"], nproc=3, env=env,
+                       timeout_s=240).check_ok()
+    reports = {rank: job.ranks[rank] for rank in (1, 2)}
+    assert reports[1]["config"] == reports[2]["config"]
+    # The grace, plus a config load on a loaded 2-core machine.
+    assert all(2.0 <= r["elapsed_s"] < 2.0 + 10.0 for r in reports.values()), reports
+    assert len({r.rank for r in job.requests if r.repo_id == "sig/alone"}) == 1, job.requests

@@ -365,3 +365,42 @@ def test_main_process_first_job_scope_needs_a_job_wide_store(tmp_path):
     assert out.stdout.startswith("raised: [rank 0/4] main_process_first(scope='job'): no "
                                  "job-wide store to coordinate 2 nodes through"), out.stdout
     assert "block ran" not in out.stdout
+
+
+def test_call_keys_render_what_decides_a_result_and_never_raise(tmp_path, monkeypatch):
+    """The key of a call: a local source as its real path (whatever the working directory
+    calls it; also through transformers 5's ``*model_args`` Auto signature), other strings as
+    they are, a config with a set by its contents, and no rendering (Unrenderable) for what has
+    no stable one: never an exception of another type."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from patchload.coordination.key import Unrenderable, deciding_arguments
+
+    load = AutoModelForCausalLM.from_pretrained
+    for rank in (0, 1):
+        (tmp_path / f"cwd-{rank}" / "ckpt").mkdir(parents=True)
+    keys = []
+    for rank in (0, 1):
+        monkeypatch.chdir(tmp_path / f"cwd-{rank}")
+        keys.append(deciding_arguments(load, ("./ckpt",), {"cache_dir": "./hf"}))
+    assert keys[0]["__source__"] == f"path:{tmp_path / 'cwd-0' / 'ckpt'}"
+    assert keys[1]["__source__"] == f"path:{tmp_path / 'cwd-1' / 'ckpt'}"
+    assert keys[0]["cache_dir"] == keys[1]["cache_dir"] == "'./hf'"  # not a source
+    assert "__source__" not in deciding_arguments(load, ("org/model",), {})
+
+    config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2)
+    config.extra = {"b", "a"}  # a set: repr() of the config raises, to_dict() holds it
+    rendered = deciding_arguments(load, ("org/model",), {"config": config})["config"]
+    assert "set{'a','b'}" in rendered
+
+    class NoRepr:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    class RaisingAttribute:
+        def __getattr__(self, name: str) -> None:
+            raise RuntimeError(f"no {name}")
+
+    for value in (NoRepr(), RaisingAttribute(), lambda: None):
+        with pytest.raises(Unrenderable):
+            deciding_arguments(load, ("org/model",), {"thing": value})

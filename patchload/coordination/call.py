@@ -170,8 +170,8 @@ def _fingerprint(path: str) -> list[Any]:
 
 
 def _local_paths(deciding: dict[str, str]) -> dict[str, Any]:
-    return {name: _fingerprint(text[len("path:"):]) for name, text in deciding.items()
-            if text.startswith("path:")}
+    return {text[len("path:"):]: _fingerprint(text[len("path:"):])
+            for text in deciding.values() if text.startswith("path:")}
 
 
 def _differences(mine: dict[str, Any], leader: dict[str, Any]) -> list[str]:
@@ -314,10 +314,10 @@ class _Coordinated:
 
     def _check_local(self, mode: Mode) -> None:
         theirs = mode.payload.get("local", {})
-        for name, fingerprint in self.local.items():
-            if theirs.get(name) != fingerprint:
-                raise VerificationFailed(f"the local path {name}={self.kwargs.get(name, '')!s} "
-                                         "holds other files here than on the leader")
+        for path, fingerprint in self.local.items():
+            if theirs.get(path) != fingerprint:
+                raise VerificationFailed(f"the local path {path} holds other files (names, "
+                                         "sizes, times) here than on the leader")
 
     def _run(self, mode: Mode, function: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
         outer = _MODE.get()

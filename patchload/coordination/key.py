@@ -3,10 +3,11 @@
 Two ranks meet at one call only when their renderings are equal, so rendering is conservative:
 
 - by parameter name (positional and keyword spellings agree);
-- the source argument (``pretrained_model_name_or_path`` and the like), when it names an existing
-  local file or directory, becomes its real absolute path (``./ckpt`` in two working directories
-  names two checkpoints; the caller fingerprints it); other strings stay as they are (a
-  ``cache_dir`` that a leader creates meanwhile, a ``revision`` that happens to name a folder);
+- the source (the first positional argument, or ``pretrained_model_name_or_path`` and the like),
+  when it names an existing local file or directory, adds its real absolute path as
+  ``__source__`` (``./ckpt`` in two working directories names two checkpoints; the caller
+  fingerprints it); other strings stay as they are (a ``cache_dir`` that a leader creates
+  meanwhile, a ``revision`` that happens to name a folder);
 - containers recursively (sets sorted), configs by their ``to_dict()``, dtypes and devices by
   name, tensors and modules by structure (names, shapes, dtypes), never by their values' bytes;
 - anything else that has no stable, bounded rendering (an object whose ``repr`` raises or names
@@ -138,7 +139,8 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
         args, kwargs: the caller's arguments.
 
     Returns:
-        ``{name: rendering}`` without the arguments that never change the result.
+        ``{name: rendering}`` without the arguments that never change the result, plus
+        ``__source__: "path:<real path>"`` when the source is a local path.
 
     Raises:
         Unrenderable: an argument has no stable, bounded rendering (the message says which).
@@ -152,16 +154,20 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
     except (TypeError, ValueError):  # no signature, or arguments that do not bind
         named = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
     rendered = {}
+    # The source: the first positional argument (transformers 5's Auto classes take
+    # ``*model_args``) or a source parameter given by name.
+    candidates = [args[0]] if args else []
+    candidates += [value for name, value in named.items() if name in SOURCES]
+    for value in candidates:
+        if (source := _source(value)) is not None:
+            rendered["__source__"] = source
+            break
     for name, value in named.items():
         if name in _VOLATILE:
             continue
         if name in _SECRETS:
             token = value if isinstance(value, (str, bool, type(None))) else repr(type(value))
             rendered[name] = hashlib.sha256(repr(token).encode()).hexdigest()[:16]
-            continue
-        source = _source(value) if name in SOURCES else None
-        if source is not None:
-            rendered[name] = source
             continue
         budget = _Budget()
         try:

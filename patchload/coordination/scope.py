@@ -106,6 +106,8 @@ def _detect(topology: Topology, store: JobStore, config: Config) -> str:
     if nonce is None:
         logger.warning("[rank %d] rank 0 did not announce its hub cache within %.0f s "
                        "(PATCHLOAD_SCOPE_WAIT): downloads per node", topology.rank, wait_s)
+        with store.lock:  # rank 0 may still decide: not for a job scope this node left
+            store.store.add(f"scope/miss/{topology.node}", 1)
         return "node"
     with store.lock:
         if not (cache / f".patchload-scope-{nonce}").exists():

@@ -49,13 +49,14 @@ def _pid_namespace() -> str:
 
 
 _ATTACHED = re.compile(r"attached \d+ tensors shared by pid (\d+)")
+_SCOPE = re.compile(r"download scope (node|job) \(auto")
 
 
-def _record_attaches(attached: list[int]) -> None:
+def _record_attaches(attached: list[int], scopes: list[str]) -> None:
     """Append to ``attached`` the pid named by each of patchload's "attached N tensors shared
-    by pid P" debug lines in this process (a log record factory: no handler is added, so what
-    reaches stderr is unchanged; the ``patchload`` logger is set to DEBUG unless the job set
-    ``PATCHLOAD_LOG_LEVEL``)."""
+    by pid P" debug lines in this process, and to ``scopes`` each download scope it decided
+    (a log record factory: no handler is added, so what reaches stderr is unchanged; the
+    ``patchload`` logger is set to DEBUG unless the job set ``PATCHLOAD_LOG_LEVEL``)."""
     log = logging.getLogger("patchload")
     if log.level == logging.NOTSET:
         log.setLevel(logging.DEBUG)
@@ -63,13 +64,16 @@ def _record_attaches(attached: list[int]) -> None:
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = make(*args, **kwargs)
-        if record.name.startswith("patchload") and str(record.msg).startswith("attached"):
+        if record.name.startswith("patchload") and (
+                str(record.msg).startswith("attached") or "download scope" in str(record.msg)):
             try:
-                found = _ATTACHED.search(record.getMessage())
+                message = record.getMessage()
             except (TypeError, ValueError):
-                found = None
-            if found:
+                message = ""
+            if found := _ATTACHED.search(message):
                 attached.append(int(found.group(1)))
+            if found := _SCOPE.search(message):
+                scopes.append(found.group(1))
         return record
 
     logging.setLogRecordFactory(factory)
@@ -87,8 +91,8 @@ def main(body: Callable[[dict[str, Any]], None], *, skip_finalization: bool = Fa
     report: dict[str, Any] = {"rank": RANK, "pid": os.getpid(), "host": socket.gethostname(),
                               "pidns": _pid_namespace(), "steps": {}}
     if os.environ.get("PLT_RECORD_ATTACHES") == "1":
-        report["attached"] = []
-        _record_attaches(report["attached"])
+        report["attached"], report["scopes"] = [], []
+        _record_attaches(report["attached"], report["scopes"])
     try:
         body(report)
     except BaseException:  # noqa: BLE001 - reported, then the process fails
