@@ -107,20 +107,20 @@ def test_unknown_variable_warns_once_with_the_closest_name(caplog, monkeypatch):
     from patchload import _config
 
     monkeypatch.setattr(_config, "_WARNED", set())
-    env = {"PATCHLOAD_TRANPORT": "shm", "PATCHLOAD_SCOPE": "node", "PATCHLOAD_HUB_LOG_LEVEL": "x",
+    env = {"PATCHLOAD_TRANPORT": "shm", "PATCHLOAD_XYZZY": "node", "PATCHLOAD_HUB_LOG_LEVEL": "x",
            "PATCHLOAD_MEASURE_DIR": "/m", "PATCHLOADER": "1", "PATCHLOAD": "1"}
     with caplog.at_level(logging.WARNING, logger="patchload"):
         assert load_config(env).transport == "auto"  # ignored
         load_config(env)  # once per process
     assert [(r.name, r.levelno) for r in caplog.records] == [("patchload._config",
                                                              logging.WARNING)] * 2
-    assert [r.getMessage() for r in caplog.records] == [
-        "unknown variable PATCHLOAD_SCOPE: ignored (patchload reads PATCHLOAD, "
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        "unknown variable PATCHLOAD_TRANPORT (did you mean PATCHLOAD_TRANSPORT?): ignored",
+        "unknown variable PATCHLOAD_XYZZY: ignored (patchload reads PATCHLOAD, "
         "PATCHLOAD_DOWNLOAD_SCOPE, PATCHLOAD_BROADCAST, PATCHLOAD_TRANSPORT, PATCHLOAD_TIMEOUT, "
         "PATCHLOAD_HEARTBEAT, PATCHLOAD_CLAIM_GRACE, PATCHLOAD_EXIT_WAIT, "
-        "PATCHLOAD_ARRIVAL_WINDOW, PATCHLOAD_PROGRESS_WARNING, PATCHLOAD_BUCKET_MB, "
-        "PATCHLOAD_LOG_LEVEL)",
-        "unknown variable PATCHLOAD_TRANPORT (did you mean PATCHLOAD_TRANSPORT?): ignored"]
+        "PATCHLOAD_ARRIVAL_WINDOW, PATCHLOAD_PROGRESS_WARNING, PATCHLOAD_SCOPE_WAIT, "
+        "PATCHLOAD_BUCKET_MB, PATCHLOAD_LOG_LEVEL)"]
 
 
 def test_unknown_variable_is_reported_at_import():
