@@ -113,7 +113,7 @@ def _root_cause(exc: BaseException) -> BaseException | None:
         current = root = nxt
 
 
-def describe_exception(exc: BaseException) -> dict[str, str]:
+def describe_exception(exc: BaseException) -> dict[str, Any]:
     """The JSON-able description of ``exc`` a leader publishes: class path, message and, when
     ``exc`` was raised from (or while handling) another exception whose text it does not
     repeat, that root cause as ``"<class name>: <message>"`` (e.g. transformers' "Can't load the
@@ -123,10 +123,50 @@ def describe_exception(exc: BaseException) -> dict[str, str]:
     if original is not None:  # a follower error re-published: keep the leader's own class
         cls = original
     description = {"module": cls.__module__, "qualname": cls.__qualname__, "message": str(exc)}
+    attributes = _attributes(exc)
+    if attributes:
+        description["attributes"] = attributes
     root = _root_cause(exc)
     if root is not None and str(root) not in str(exc):
         description["cause"] = f"{type(root).__name__}: {str(root)[:_CAUSE_CHARS]}"
     return description
+
+
+def _attributes(exc: BaseException) -> dict[str, Any]:
+    """What handlers of the plain call read on the exception, as JSON: an ``OSError``'s
+    ``errno`` / ``strerror`` / ``filename``; an HTTP error's status code, headers, URL, request id
+    and server message (``except HfHubHTTPError as e: e.response.status_code``)."""
+    out: dict[str, Any] = {}
+    if isinstance(exc, OSError):
+        out.update(errno=exc.errno, strerror=exc.strerror,
+                   filename=None if exc.filename is None else str(exc.filename))
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    if isinstance(status, int):
+        headers = getattr(response, "headers", None) or {}
+        try:
+            out["response"] = {"status_code": status, "url": str(getattr(response, "url", "")),
+                               "headers": {str(k): str(v) for k, v in dict(headers).items()}}
+        except (TypeError, ValueError):  # headers of an unexpected kind: the status alone
+            out["response"] = {"status_code": status, "url": "", "headers": {}}
+    for name in ("request_id", "server_message"):
+        value = getattr(exc, name, None)
+        if isinstance(value, str):
+            out[name] = value
+    return out
+
+
+class _Response:
+    """What a follower's rebuilt HTTP error holds in place of the leader's ``response``: its
+    status code, headers and URL (the parts a retry handler reads; no body, no request)."""
+
+    def __init__(self, status_code: int, url: str, headers: dict[str, str]) -> None:
+        self.status_code = status_code
+        self.url = url
+        self.headers = headers
+
+    def __repr__(self) -> str:
+        return f"<Response [{self.status_code}] from the leader>"
 
 
 # Packages whose exceptions the patched calls raise. A follower that has not run the call yet may
@@ -195,8 +235,10 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
         An exception whose class derives from the leader's class (and from
         :class:`LeaderFailedError` where the layouts allow), so ``except`` clauses written for the
         plain call catch it; :class:`LeaderFailedError` when the class is not importable here.
-        The original ``__init__`` is not called: only ``args``, ``rank``, ``leader_rank`` and
-        ``cause`` are set.
+        The original ``__init__`` is not called: ``args``, ``rank``, ``leader_rank`` and
+        ``cause`` are set, plus what handlers read on the plain call's exception: an
+        ``OSError``'s ``errno`` / ``strerror`` / ``filename``, an HTTP error's ``response``
+        (status code, headers, URL), ``request_id`` and ``server_message``.
     """
     message = prefix + description.get("message", "")
     if description.get("cause"):
@@ -214,4 +256,15 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
     exc.rank = rank
     exc.leader_rank = leader_rank
     exc.cause = description.get("message", "")
+    attributes = description.get("attributes") or {}
+    if isinstance(exc, OSError):
+        for name in ("errno", "strerror", "filename"):
+            setattr(exc, name, attributes.get(name))
+    if "response" in attributes:
+        response = attributes["response"]
+        exc.response = _Response(int(response["status_code"]), str(response["url"]),
+                                 dict(response["headers"]))
+        exc.request = None
+        exc.request_id = attributes.get("request_id")
+        exc.server_message = attributes.get("server_message")
     return exc

@@ -404,3 +404,31 @@ def test_call_keys_render_what_decides_a_result_and_never_raise(tmp_path, monkey
     for value in (NoRepr(), RaisingAttribute(), lambda: None):
         with pytest.raises(Unrenderable):
             deciding_arguments(load, ("org/model",), {"thing": value})
+
+
+def test_follower_exception_keeps_what_handlers_read():
+    """A retry handler written for the plain call (``e.response.status_code``, the
+    ``Retry-After`` header, ``e.errno``) reads the same on a follower's rebuilt exception."""
+    import errno as errnos
+    import types
+
+    from huggingface_hub.errors import HfHubHTTPError
+
+    url = "http://127.0.0.1:9/org/m/resolve/main/config.json"
+    response = types.SimpleNamespace(  # the parts of an HTTP client's response it reads
+        status_code=429, url=url, request=None,
+        headers={"retry-after": "3", "x-request-id": "req-7"})
+    leader = HfHubHTTPError("429 Too Many Requests", response=response, server_message="slow")
+    exc = follower_exception(json.loads(json.dumps(describe_exception(leader))), rank=1,
+                             leader_rank=0, prefix="[rank 1/2] x: ")
+    assert isinstance(exc, HfHubHTTPError) and isinstance(exc, LeaderFailedError)
+    assert exc.response.status_code == 429
+    assert exc.response.headers["retry-after"] == "3"
+    assert exc.response.url == url
+    assert (exc.request_id, exc.server_message) == ("req-7", "slow")
+
+    disk = OSError(errnos.ENOSPC, "No space left on device", "/cache/blob.incomplete")
+    exc = follower_exception(json.loads(json.dumps(describe_exception(disk))), rank=1,
+                             leader_rank=0, prefix="")
+    assert (exc.errno, exc.strerror, exc.filename) == (
+        errnos.ENOSPC, "No space left on device", "/cache/blob.incomplete")
