@@ -46,6 +46,7 @@ import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Final, Mapping, Sequence
@@ -152,6 +153,10 @@ class SimulatedNodes:
                              f"{len(self.first_pids)} first pids")
         tmp = Path("/tmp")
         keep: list[Path] = []
+        # What every process needs to start: this checkout (workers, patchload) and the Python
+        # environment, wherever they are (a CI clone may itself live under /tmp).
+        runtime = [Path(__file__).resolve().parents[1], Path(sys.prefix), Path(sys.base_prefix)]
+        shared = [*shared, *(p for p in runtime if _under(Path(os.path.realpath(p)), tmp))]
         for path in sorted({Path(os.path.realpath(p)) for p in shared}):
             if path == tmp or _under(path, NODE_LOCAL) or path == Path("/"):
                 raise ValueError(f"shared directory {path}: would hide the nodes' private /tmp")
