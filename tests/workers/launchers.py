@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> None:
                               "host": socket.gethostname(), "pidns": _common._pid_namespace(),
                               "topology": _topology_dict(topology)}
     if os.environ.get("PLT_RECORD_ATTACHES") == "1":
-        report["attached"] = []
-        _common._record_attaches(report["attached"])
+        report["attached"], report["scopes"] = [], []
+        _common._record_attaches(report["attached"], report["scopes"])
     try:
         _steps(args, report)
     except BaseException:
