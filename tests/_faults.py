@@ -145,12 +145,6 @@ def gets(job: Job, repo: str, filename: str | None = None) -> list[Any]:
             and r.filename is not None and (filename is None or r.filename == filename)]
 
 
-def leader_of(job: Job, step: str) -> int | None:
-    """The rank that opened the checkpoint in ``step`` (only a leader reads it), if one did."""
-    openers = [rank for rank, rec in step_records(job, step).items() if rec.get("opened")]
-    return openers[0] if len(openers) == 1 else None
-
-
 def describe(job: Job, steps: Sequence[str] = ()) -> str:
     lines = [job.describe()]
     for name in steps:
