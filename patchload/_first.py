@@ -65,10 +65,16 @@ def main_process_first(scope: str = "node") -> Iterator[bool]:
                                 what=f"main_process_first at {site}")
     call, role = _coordinate.claim(call, retry_failed=False)
     if role.lead:
-        with _coordinate.leading(call):
-            yield True
+        try:
+            with _coordinate.leading(call):
+                yield True
+        finally:
+            _coordinate.finish(call)
         return
-    outcome = _coordinate.wait_outcome(call, role)
+    try:
+        outcome = _coordinate.wait_outcome(call, role)
+    finally:
+        _coordinate.finish(call)
     if outcome is None or not outcome.get("ok"):
         _coordinate.raise_failure(call, role, outcome)
     yield False

@@ -13,7 +13,6 @@ come: they claim their own key, and a late rank finds the outcome already publis
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import dataclasses
@@ -28,19 +27,18 @@ from typing import Any, Callable, Final, Iterator, TypeVar
 from .._config import Config
 from .._errors import LeaderFailedError, PatchloadTimeout, describe_exception, follower_exception
 from .._topology import Topology
+from .beats import Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
 from .key import digest
 from .store import JobStore, job_store
 
-__all__ = ["Call", "Role", "call_key", "claim", "files_ready", "leader_first", "leading",
-           "node_leaders_call", "publish", "raise_failure", "wait_outcome"]
+__all__ = ["Call", "Role", "call_key", "claim", "files_ready", "finish", "leader_first",
+           "leading", "node_leaders_call", "publish", "raise_failure", "wait_outcome"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_POLL_MIN_S: Final = 0.01
-_POLL_MAX_S: Final = 0.05  # a follower starts within 50 ms of the outcome
 
 
 @dataclass(frozen=True)
@@ -57,6 +55,8 @@ class Call:
         store: the job store.
         watch: a directory whose growth shows the leader's progress (the repo's folder in the
             hub cache), or None.
+        attempt: after :func:`claim`, the attempt ``key`` is narrowed to; None before.
+        expected: how many ranks make the call; None: every rank of ``scope``.
     """
 
     key: str
@@ -66,6 +66,20 @@ class Call:
     config: Config
     store: JobStore
     watch: str | None = None
+    attempt: int | None = None
+    expected: int | None = None
+
+    @property
+    def base(self) -> str:
+        """The call's key before :func:`claim` narrowed it to an attempt."""
+        return self.key if self.attempt is None else self.key[:-len(f"a{self.attempt}/")]
+
+    def scope_size(self) -> int:
+        """How many ranks make this call (see ``expected``)."""
+        if self.expected is not None:
+            return self.expected
+        return (len(self.topology.node_ranks()) if self.scope == "node"
+                else self.topology.world_size)
 
     def prefix(self, leader_rank: int | None = None) -> str:
         """``[rank r/n]`` (and the leader) for log lines and error messages."""
@@ -118,7 +132,8 @@ def node_leaders_call(call: Call) -> Call:
         raise ValueError(f"{call.prefix()}: node_leaders_call needs a node-scoped call, got "
                          f"scope {call.scope!r} for {call.what}")
     key = "job/leaders/" + call.key.split("/", 1)[1]
-    return Call(key, call.what, "job", call.topology, call.config, call.store, call.watch)
+    return Call(key, call.what, "job", call.topology, call.config, call.store, call.watch,
+                expected=call.topology.num_nodes)
 
 
 @dataclass(frozen=True)
@@ -151,7 +166,7 @@ def claim(call: Call, *, retry_failed: bool = True) -> tuple[Call, Role]:
     me = json.dumps({"rank": call.topology.rank, "pid": os.getpid(), "node": node_id()})
     attempt = 0
     while True:
-        narrowed = dataclasses.replace(call, key=f"{call.key}a{attempt}/")
+        narrowed = dataclasses.replace(call, key=f"{call.key}a{attempt}/", attempt=attempt)
         if attempt == 0 and call.topology.rank != _scope_rank0(call):
             _grace(narrowed)
         with call.store.lock:
@@ -173,15 +188,10 @@ def _scope_rank0(call: Call) -> int:
 def _grace(call: Call) -> None:
     """Wait up to ``PATCHLOAD_CLAIM_GRACE`` seconds for the scope's rank 0 to claim ``call``
     (any rank's claim ends the wait), so that rank 0 leads whenever it makes the call: its logs
-    and progress bars are the ones users watch, and the same rank leads from run to run."""
-    deadline = time.monotonic() + call.config.claim_grace_s
-    poll = _POLL_MIN_S
-    while time.monotonic() < deadline:
-        with call.store.lock:
-            if call.store.store.check([call.key + "leader"]):
-                return
-        time.sleep(poll)
-        poll = min(_POLL_MAX_S, poll * 1.5)
+    and progress bars are the ones users watch, and the same rank leads from run to run. One
+    blocking store request."""
+    if call.config.claim_grace_s > 0:
+        call.store.wait_for(call.key + "leader", call.config.claim_grace_s)
 
 
 def _failed(call: Call) -> bool:
@@ -191,74 +201,15 @@ def _failed(call: Call) -> bool:
                 and not json.loads(store.get(call.key + "outcome")).get("ok"))
 
 
-class _Heartbeat:
-    """One daemon thread per process that bumps a heartbeat counter for every call it leads.
-
-    Stopped and joined at interpreter exit: a daemon thread still inside a store call when the
-    interpreter finalizes is killed while unwinding C++ frames, which aborts the whole process
-    ("terminate called without an active exception").
-    """
-
-    _JOIN_AT_EXIT_S: Final = 2.0
-
-    def __init__(self) -> None:
-        self._keys: dict[str, tuple[JobStore, float]] = {}
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-
-    def add(self, call: Call) -> None:
-        with self._lock:
-            self._keys[call.key] = (call.store, call.config.heartbeat_s)
-            if self._stopping.is_set():
-                return
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="patchload-heartbeat",
-                                                daemon=True)
-                self._thread.start()
-
-    def remove(self, call: Call) -> None:
-        with self._lock:
-            self._keys.pop(call.key, None)
-
-    def stop(self) -> None:
-        """Stop beating and wait for the thread, at most 2 s (called at interpreter exit)."""
-        self._stopping.set()
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join(self._JOIN_AT_EXIT_S)
-
-    def _run(self) -> None:
-        due: dict[str, float] = {}
-        while not self._stopping.is_set():
-            with self._lock:
-                if not self._keys:
-                    self._thread = None
-                    return
-                items = list(self._keys.items())
-            now = time.monotonic()
-            for key, (store, period) in items:
-                if due.get(key, 0.0) <= now:
-                    due[key] = now + period
-                    try:
-                        with store.lock:
-                            store.store.add(key + "heartbeat", 1)
-                    except Exception as err:  # noqa: BLE001 - a store hiccup must not kill the beat
-                        logger.warning("heartbeat for %s failed: %s", key, err)
-            self._stopping.wait(0.1)
-        with self._lock:
-            self._thread = None
-
-
-_HEARTBEAT = _Heartbeat()
-atexit.register(_HEARTBEAT.stop)
+_HEARTBEAT: Final = Heartbeat()
+_LEADER_WATCH: Final = LeaderWatch()
 
 
 def publish(call: Call, outcome: dict[str, Any]) -> None:
     """Publish the leader's outcome for ``call`` (JSON-able dict). Not collective."""
     with call.store.lock:
         call.store.store.set(call.key + "outcome", json.dumps(outcome))
+    beat(call)
 
 
 def _leader_alive(role: Role) -> bool:
@@ -270,6 +221,7 @@ def files_ready(call: Call) -> None:
     that followers can start their own part of the call before the outcome. Not collective."""
     with call.store.lock:
         call.store.store.set(call.key + "files", "1")
+    beat(call)
 
 
 def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str, Any] | None:
@@ -293,22 +245,25 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
     start = last_beat_at = last_progress = time.monotonic()
     last_present = _bytes_under(call.watch)
     last_beat = None
-    poll = _POLL_MIN_S
+    silent_s = 2 * cfg.heartbeat_s + 1.0
     while True:
         with store.lock:
-            if store.store.check([call.key + "outcome"]):
-                return json.loads(store.store.get(call.key + "outcome"))
-            if or_files and store.store.check([call.key + "files"]):
-                return None
-            beat = store.store.add(call.key + "heartbeat", 0)
+            # Woken by a change: two requests. Else the counter before the outcome's second
+            # check: a beat that comes after this read ends the wait below.
+            found, outcome = _outcome_or_files(call, or_files)
+            if not found:
+                seen = read_beat(call)
+                found, outcome = _outcome_or_files(call, or_files)
+            if found:
+                return outcome
         now = time.monotonic()
-        if beat != last_beat:
-            last_beat, last_beat_at = beat, now
+        if seen != last_beat:
+            last_beat, last_beat_at = seen, now
         waited = now - start
         cause = None
         if not _leader_alive(role):
             cause = f"its process (pid {role.leader_pid}) is gone"
-        elif now - last_beat_at > 2 * cfg.heartbeat_s + 1.0:
+        elif now - last_beat_at > silent_s:
             cause = f"no heartbeat for {now - last_beat_at:.0f} s"
         if cause is not None:
             with store.lock:  # it may have published just before dying
@@ -334,8 +289,28 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
                            "its progress is not visible here" if call.watch is None else
                            f"{present / 2**20:.1f} MiB of its files in the cache, "
                            f"{rate / 2**20:.1f} MiB/s")
-        time.sleep(poll)
-        poll = min(_POLL_MAX_S, poll * 1.5)
+        # Block until the leader's next beat: at most until it counts as silent, the timeout,
+        # or the next progress warning.
+        bound = silent_s - (now - last_beat_at)
+        if cfg.timeout_s is not None:
+            bound = min(bound, cfg.timeout_s - waited)
+        if cfg.progress_warning_s is not None:
+            bound = min(bound, last_progress + cfg.progress_warning_s - now)
+        bound = max(bound, 0.0) + 0.01
+        token = _LEADER_WATCH.watch(call, role, seen)
+        try:
+            wait_beat(call, seen, bound)
+        finally:
+            _LEADER_WATCH.unwatch(token)
+
+
+def _outcome_or_files(call: Call, or_files: bool) -> tuple[bool, dict[str, Any] | None]:
+    """(True, the published outcome), (True, None) if ``or_files`` and the leader announced its
+    files, else (False, None). The caller holds the lock."""
+    store = call.store.store
+    if store.check([call.key + "outcome"]):
+        return True, json.loads(store.get(call.key + "outcome"))
+    return (or_files and store.check([call.key + "files"])), None
 
 
 def _bytes_under(path: str | None) -> int:
@@ -386,6 +361,42 @@ def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
         _HEARTBEAT.remove(call)
 
 
+def finish(call: Call) -> None:
+    """This rank is done with ``call`` (with every attempt of it): count it out. The last rank
+    of the call's scope to do so deletes the call's keys, so that the store stays bounded over a
+    job's calls. Not collective; never waits; never raises (a store failure only leaves keys).
+
+    Keys of a call that some rank of its scope never makes stay until the job's store goes:
+    torchrun's agent store ends with the job, and the last process out removes a node-local one.
+    """
+    store = call.store
+    try:
+        with store.lock:
+            if store.store.add(call.base + "finished", 1) >= call.scope_size():
+                _delete_keys(call)
+    except Exception as err:  # noqa: BLE001 - cleanup only
+        logger.debug("%s: deleting the store keys of %s failed: %s", call.prefix(), call.key,
+                     err)
+
+
+def _delete_keys(call: Call) -> None:
+    """Delete every key of every attempt of ``call`` (the caller holds the lock)."""
+    store = call.store.store
+    topology = call.topology
+    ranks = topology.node_ranks() if call.scope == "node" else range(topology.world_size)
+    attempt = 0
+    while store.check([f"{call.base}a{attempt}/leader"]):
+        key = f"{call.base}a{attempt}/"
+        beats = int(store.add(key + "beat", 0))
+        names = ["leader", "outcome", "files", "beat", "arrivals", "arrivals/all"]
+        names += [f"beat/{n}" for n in range(max(1, beats - 3), beats + 2)]
+        names += [f"{what}/{r}" for r in ranks for what in ("arrived", "done")]
+        for name in names:
+            store.delete_key(key + name)
+        attempt += 1
+    store.delete_key(call.base + "finished")
+
+
 def leader_first(call: Call,
                  lead: Callable[[Call], tuple[T, dict[str, Any], Callable[[], None] | None]],
                  follow: Callable[[Call, Role, Callable[[], dict[str, Any]]], T], *,
@@ -417,19 +428,25 @@ def leader_first(call: Call,
     """
     call, role = claim(call)
     if role.lead:
-        with leading(call) as done:
-            result, payload, after = lead(call)
-            done(payload)
-            if after is not None:
-                try:
-                    after()
-                except Exception as err:  # noqa: BLE001 - a private group; the result stands
-                    logger.warning("%s: sharing with the followers failed: %s", call.prefix(), err)
+        try:
+            with leading(call) as done:
+                result, payload, after = lead(call)
+                done(payload)
+                if after is not None:
+                    try:
+                        after()
+                    except Exception as err:  # noqa: BLE001 - a private group; the result stands
+                        logger.warning("%s: sharing with the followers failed: %s",
+                                       call.prefix(), err)
+        finally:
+            finish(call)
         return result
     logger.debug("%s: following", call.prefix(role.leader_rank))
     with call.store.lock:  # lets the leader see who is waiting
         call.store.store.set(call.key + f"arrived/{call.topology.rank}",
                              json.dumps({"pid": os.getpid(), "node": node_id()}))
+        if call.store.store.add(call.key + "arrivals", 1) >= call.scope_size() - 1:
+            call.store.store.set(call.key + "arrivals/all", "")  # wakes a leader waiting on all
     try:
         outcome = wait_outcome(call, role, or_files=early)
 
@@ -447,3 +464,4 @@ def leader_first(call: Call,
     finally:
         with call.store.lock:
             call.store.store.set(call.key + f"done/{call.topology.rank}", "1")
+        finish(call)

@@ -23,7 +23,9 @@ import logging
 import os
 import tempfile
 import threading
-from dataclasses import dataclass
+import time
+import weakref
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Iterator
@@ -55,14 +57,52 @@ class JobStore:
     store: Store
     kind: str
     lock: threading.RLock
+    _idle: list[Store] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def node_local(self) -> bool:
         """True when only the ranks of this node share the store."""
         return self.kind == "file"
 
+    def wait_for(self, key: str, timeout_s: float) -> bool:
+        """Block until ``key`` exists, at most ``timeout_s`` seconds: one server-side ``wait``
+        (``torch.distributed.Store.wait``), not a poll. Not collective.
+
+        Runs on a client of its own (a ``clone()`` of ``store``, kept for the next wait), not
+        under ``lock``: a blocked wait on the shared client would hold up this process's other
+        threads (the heartbeat among them).
+
+        Returns:
+            Whether the key exists (False: the wait timed out, or the store failed; a store that
+            fails at once is not retried sooner than the bound or 1 s, so callers never spin).
+        """
+        from datetime import timedelta
+
+        with _CACHE_LOCK:
+            client = self._idle.pop() if self._idle else None
+        if client is None:
+            client = self.store.clone()
+        start = time.monotonic()
+        try:
+            client.wait([key], timedelta(seconds=max(0.001, timeout_s)))
+            found = True
+        except RuntimeError as err:  # DistStoreError (TCPStore) or RuntimeError (FileStore)
+            found = False
+            left = timeout_s - (time.monotonic() - start)
+            if left > 0.1:  # not a timeout: the store failed; the caller's next request says how
+                logger.debug("waiting for store key %s failed: %s", key, err)
+                time.sleep(min(left, 1.0))
+                return False  # and the client is not reused
+        with _CACHE_LOCK:
+            self._idle.append(client)
+        return found
+
 
 _CACHE: dict[tuple[str, int], JobStore] = {}
+# The default process group's store -> its JobStore, for as long as the group holds that store:
+# holding it past destroy_process_group would keep rank 0's server socket, and a new group on
+# the same port would hang.
+_PG_CACHE: weakref.WeakKeyDictionary[Store, JobStore] = weakref.WeakKeyDictionary()
 _CACHE_LOCK = threading.Lock()
 _PG_LOCK = threading.RLock()
 
@@ -73,6 +113,7 @@ def _drop_stores() -> None:
     # destroying torch's C++ objects in an arbitrary order can abort the process.
     with _CACHE_LOCK:
         _CACHE.clear()
+        _PG_CACHE.clear()
 
 
 _FALLBACK_DIR: Path | None = None  # this process's private directory, when the usual one is unfit
@@ -188,14 +229,14 @@ def _drop_if_abandoned(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _make(kind: str) -> JobStore:
+def _make(kind: str, base: Store | None = None) -> JobStore:
     import torch.distributed as dist
 
     if kind == "agent":
         base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                              is_master=False, timeout=_STORE_OP_TIMEOUT)
     elif kind == "process_group":
-        base = dist.distributed_c10d._get_default_store()
+        assert base is not None
     else:
         path = private_dir() / f"store-{_namespace()}"
         with _directory_locked(path.parent):
@@ -225,8 +266,8 @@ def _kind() -> str:
 def job_store() -> JobStore:
     """The store this process coordinates through now (see the module docstring for the order).
 
-    Not collective: no rank waits for another here. Cached per process and kind, but the
-    process group's store (taken anew from the current default group each time).
+    Not collective: no rank waits for another here. Cached per process and kind; the process
+    group's for as long as the current default group holds its store.
 
     Raises:
         RuntimeError: torch.distributed is unavailable, or the agent store cannot be reached
@@ -235,9 +276,12 @@ def job_store() -> JobStore:
     kind = _kind()
     with _CACHE_LOCK:
         if kind == "process_group":
-            # Not cached: holding the group's store would keep it (and, on rank 0, its server
-            # socket) alive past destroy_process_group, and a new group on the same port hangs.
-            return _make(kind)
+            import torch.distributed as dist
+
+            default = dist.distributed_c10d._get_default_store()
+            if default not in _PG_CACHE:
+                _PG_CACHE[default] = _make(kind, default)
+            return _PG_CACHE[default]
         key = (kind, os.getpid())
         if key not in _CACHE:
             _CACHE[key] = _make(kind)

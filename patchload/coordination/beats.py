@@ -1,0 +1,200 @@
+"""Beats: how a leader shows it is alive and wakes its followers, and how followers block.
+
+Each attempt of a call has a beat counter ``<key>beat``. The leader bumps it, and sets the
+key ``<key>beat/<n>`` for the new value ``n``, once every ``PATCHLOAD_HEARTBEAT`` seconds
+(:class:`Heartbeat`) and whenever it changes what followers wait for (its files are in the
+cache, its outcome is published: :func:`beat`). A follower that read the counter as ``n``
+blocks in the store (a server-side ``wait``) for ``beat/<n+1>``: it wakes at the leader's next
+beat or change, and sends about three store requests per heartbeat period instead of polling.
+
+A follower on the leader's node also learns of the leader's death at once: one thread per
+process (:class:`LeaderWatch`) checks the pids of the local leaders it waits on every 50 ms
+(no store request) and, when one is gone, sets the beat key its followers wait for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Final
+
+from .identity import node_id, process_alive
+
+if TYPE_CHECKING:
+    from .protocol import Call, Role
+
+__all__ = ["Heartbeat", "LeaderWatch", "beat", "read_beat", "wait_beat"]
+
+logger = logging.getLogger(__name__)
+
+_KEEP_BEAT_KEYS: Final = 3  # a follower slow between reading the counter and waiting still finds its key
+
+
+def beat(call: Call) -> None:
+    """Leader: bump the beat counter of ``call`` and set the key of its new value (waking the
+    followers blocked on it); drop an old beat key, so the keys stay bounded. Not collective."""
+    store = call.store
+    with store.lock:
+        n = store.store.add(call.key + "beat", 1)
+        store.store.set(call.key + f"beat/{n}", "")
+        if n > _KEEP_BEAT_KEYS:
+            store.store.delete_key(call.key + f"beat/{n - _KEEP_BEAT_KEYS}")
+
+
+def read_beat(call: Call) -> int:
+    """The beat counter of ``call`` now (the caller holds ``call.store.lock``)."""
+    return int(call.store.store.add(call.key + "beat", 0))
+
+
+def wait_beat(call: Call, seen: int, timeout_s: float) -> None:
+    """Follower: block until the beat after ``seen`` (the leader's next heartbeat or change),
+    at most ``timeout_s`` seconds. One store request; does not hold ``call.store.lock`` while
+    blocked (its own store client). Returns on timeout too; the caller decides what it means."""
+    call.store.wait_for(call.key + f"beat/{seen + 1}", timeout_s)
+
+
+class Heartbeat:
+    """One daemon thread per process that beats (:func:`beat`) every call it leads, once per
+    ``PATCHLOAD_HEARTBEAT`` period.
+
+    Stopped and joined at interpreter exit: a daemon thread still inside a store call when the
+    interpreter finalizes is killed while unwinding C++ frames, which aborts the whole process
+    ("terminate called without an active exception").
+    """
+
+    _JOIN_AT_EXIT_S: Final = 2.0
+
+    def __init__(self) -> None:
+        self._calls: dict[str, Call] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        atexit.register(self.stop)
+
+    def add(self, call: Call) -> None:
+        with self._lock:
+            self._calls[call.key] = call
+            if self._stopping.is_set():
+                return
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="patchload-heartbeat",
+                                                daemon=True)
+                self._thread.start()
+
+    def remove(self, call: Call) -> None:
+        with self._lock:
+            self._calls.pop(call.key, None)
+
+    def stop(self) -> None:
+        """Stop beating and wait for the thread, at most 2 s (called at interpreter exit)."""
+        self._stopping.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(self._JOIN_AT_EXIT_S)
+
+    def _run(self) -> None:
+        due: dict[str, float] = {}
+        while not self._stopping.is_set():
+            if not self._beat_due(due):
+                return
+            self._stopping.wait(0.1)
+        with self._lock:
+            self._thread = None
+
+    def _beat_due(self, due: dict[str, float]) -> bool:
+        """Beat the calls that are due; False (the thread ends) when none is led. A method of
+        its own so that no call (its store) stays referenced while the thread sleeps: a store
+        kept past destroy_process_group keeps rank 0's server socket, and a new group on the
+        same port breaks."""
+        with self._lock:
+            if not self._calls:
+                self._thread = None
+                return False
+            calls = list(self._calls.values())
+        now = time.monotonic()
+        for call in calls:
+            if due.get(call.key, 0.0) <= now:
+                due[call.key] = now + call.config.heartbeat_s
+                try:
+                    beat(call)
+                except Exception as err:  # noqa: BLE001 - a store hiccup must not kill the beat
+                    logger.warning("heartbeat for %s failed: %s", call.key, err)
+        return True
+
+
+class LeaderWatch:
+    """One daemon thread per process that watches the pids of the leaders on this node that
+    its followers wait on, and wakes those followers (sets the beat key they wait for) as soon
+    as a leader's process is gone. Leaders on other nodes are not watched: their beats stop."""
+
+    _PERIOD_S: Final = 0.05
+
+    def __init__(self) -> None:
+        self._waits: dict[int, tuple[Call, Role, int]] = {}
+        self._tokens = itertools.count()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        atexit.register(self.stop)
+
+    def watch(self, call: Call, role: Role, seen: int) -> int | None:
+        """Watch ``role``'s leader while this thread waits for the beat after ``seen``.
+        Returns a token for :meth:`unwatch`, or None when the leader is not on this node."""
+        if role.leader_node != node_id():
+            return None
+        with self._lock:
+            token = next(self._tokens)
+            self._waits[token] = (call, role, seen)
+            if not self._stopping.is_set() and (self._thread is None
+                                                 or not self._thread.is_alive()):
+                self._thread = threading.Thread(target=self._run, name="patchload-leader-watch",
+                                                daemon=True)
+                self._thread.start()
+        return token
+
+    def unwatch(self, token: int | None) -> None:
+        if token is not None:
+            with self._lock:
+                self._waits.pop(token, None)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(2.0)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._PERIOD_S):
+            if not self._check():
+                return
+        with self._lock:
+            self._thread = None
+
+    def _check(self) -> bool:
+        """Wake the waits whose leader is gone; False (the thread ends) when none is left. A
+        method of its own so that no call is referenced while the thread sleeps (see
+        :meth:`Heartbeat._beat_due`)."""
+        with self._lock:
+            if not self._waits:
+                self._thread = None
+                return False
+            waits = list(self._waits.items())
+        alive: dict[int, bool] = {}
+        for token, (call, role, seen) in waits:
+            pid = role.leader_pid
+            if pid not in alive:
+                alive[pid] = process_alive(role.leader_node, pid)
+            if alive[pid]:
+                continue
+            self.unwatch(token)
+            try:
+                with call.store.lock:
+                    call.store.store.set(call.key + f"beat/{seen + 1}", "")
+            except Exception as err:  # noqa: BLE001 - the waiter then wakes at its bound
+                logger.debug("waking the followers of %s failed: %s", call.key, err)
+        return True
