@@ -19,20 +19,17 @@ other than the CPU, quantized loads, tensor parallelism, GGUF files, a user ``st
 
 from __future__ import annotations
 
-import atexit
 import contextvars
 import ctypes
 import logging
 import os
-import threading
-import time
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
 from ._compat import describe_loading_info, initialized_by_follower, loaded_from_leader
 from ._patching import Patch
+from ._shares import OpenShares
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
-from .coordination.followers import pending_followers, wait_followers_done
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
 
@@ -54,14 +51,9 @@ _UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size
 _COLLECTIVE_KWARGS: Final = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
 _CPU_MAPS: Final = (None, "cpu", {"": "cpu"})
 _TRIM_EVERY_BYTES: Final = 16 * 2**20
-_LATE_S: Final = 5.0  # at exit, how long to also wait for ranks that have not reached the call
 
-# Blobs this process shared as a node leader and still keeps open for followers: (call,
-# descriptor). Closed once every local follower of the call is done with it (checked at the next
-# from_pretrained of this process) or at exit; until then each pins one copy of the weights.
-_OPEN_SHARES: list[tuple[Call, dict[str, Any]]] = []
-_OPEN_SHARES_LOCK = threading.Lock()
-_EXIT_HOOKED = False
+# The blobs this process shares as a node leader, kept open for its followers.
+_SHARES: Final = OpenShares()
 # True inside a from_pretrained that runs on every rank at once (collective construction).
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("patchload_alone", default=False)
 
@@ -151,7 +143,6 @@ def _repoint(model: Any, entries: list[list[Any]], index: int, tensor: torch.Ten
 def _share(result: Any, call: Call, mode: Mode
            ) -> tuple[dict[str, Any], Callable[[], None] | None]:
     """Leader: share the loaded model's tensors; returns the payload and a post-publish step."""
-    global _EXIT_HOOKED
     model = _model_of(result)
     if model is None:
         return {}, None
@@ -191,13 +182,8 @@ def _share(result: Any, call: Call, mode: Mode
     descriptor, _ = shm.share(pending, on_shared=on_shared)
     _trim_heap()
     info.update(transport="shm", descriptor=descriptor)
-    if descriptor.get("fd") is not None:
-        # Followers open the blob through this process: keep it until they have it.
-        with _OPEN_SHARES_LOCK:
-            if not _EXIT_HOOKED:
-                atexit.register(_release_at_exit)
-                _EXIT_HOOKED = True
-            _OPEN_SHARES.append((call, descriptor, time.monotonic()))
+    if descriptor.get("fd") is not None:  # followers open the blob through this process
+        _SHARES.add(call, descriptor, model)
     logger.info("%s: shared %d tensors (%d bytes) with this node's ranks", call.prefix(),
                 len(entries), shared_bytes)
     return {"weights": info}, None
@@ -210,45 +196,6 @@ def _trim_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
-
-
-def _release_finished() -> None:
-    """Leader: close the blobs of earlier calls whose followers on this node are all done with
-    them (or dead). Not collective; never waits. Without this, every converting load would pin
-    one more memfd (its fd and its memory) until the process exits."""
-    from .transport import shm
-
-    with _OPEN_SHARES_LOCK:
-        shares = list(_OPEN_SHARES)
-    for entry in shares:
-        call, descriptor, shared_at = entry
-        # Ranks that have not arrived count only for a while: one that never makes the call (a
-        # rank-0-only load) must not pin the blob until exit.
-        if pending_followers(call, arrived_only=time.monotonic() - shared_at > _LATE_S):
-            continue
-        with _OPEN_SHARES_LOCK:
-            if not any(e is entry for e in _OPEN_SHARES):
-                continue  # another thread released it
-            _OPEN_SHARES[:] = [e for e in _OPEN_SHARES if e is not entry]
-        shm.release(descriptor)
-
-
-def _release_at_exit() -> None:
-    """Leader, at exit: wait (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that
-    arrived at a shared call to take the weights, then close every blob. Ranks that have not
-    arrived are waited for during the first ``_LATE_S`` seconds in all, not per blob (a rank
-    that died or never makes the call would otherwise cost ``_LATE_S`` for every blob)."""
-    from .transport import shm
-
-    start = time.monotonic()
-    with _OPEN_SHARES_LOCK:
-        shares = list(_OPEN_SHARES)
-        _OPEN_SHARES.clear()
-    for call, descriptor, _ in shares:
-        elapsed = time.monotonic() - start
-        wait_followers_done(call, max(0.0, call.config.exit_wait_s - elapsed),
-                            late_s=max(0.0, _LATE_S - elapsed))
-        shm.release(descriptor)
 
 
 def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
@@ -432,8 +379,8 @@ def from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     mode = current_mode()
     if mode is not None and mode.loads_model:  # e.g. the model class's call inside an Auto call
         return coordinated(name, wrapped, args, kwargs, what=what)
-    if _OPEN_SHARES:
-        _release_finished()
+    if _SHARES:
+        _SHARES.release_finished()
     if _ALONE.get():  # the model class's call inside an Auto call that stepped aside
         return wrapped(*args, **kwargs)
     reason, collective = _step_aside_reason(kwargs)

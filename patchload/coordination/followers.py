@@ -42,6 +42,8 @@ def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
     ranks = topology.node_ranks() if call.scope == "node" else range(topology.world_size)
     pending = []
     with call.store.lock:
+        if not call.store.store.check([call.key + "leader"]):
+            return []  # the call's keys are deleted: every rank of its scope finished with it
         for r in ranks:
             if r == topology.rank or call.store.store.check([call.key + f"done/{r}"]):
                 continue
@@ -88,7 +90,7 @@ def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, 
         time.sleep(0.05)
 
 
-def wait_followers_done(call: Call, timeout_s: float, *, late_s: float = 0.0) -> None:
+def wait_followers_done(call: Call, timeout_s: float) -> None:
     """Leader: wait until every follower that arrived at ``call`` is done with it (or dead).
 
     Bounded by ``timeout_s`` seconds; logs what it waits for. Used before a leader exits while
@@ -97,19 +99,15 @@ def wait_followers_done(call: Call, timeout_s: float, *, late_s: float = 0.0) ->
     Args:
         call: a call this rank leads.
         timeout_s: the most this waits, in seconds.
-        late_s: for the first ``late_s`` seconds also wait for ranks of the scope that have not
-            arrived yet (a follower reaches a nested call only after its enclosing call).
     """
-    start = time.monotonic()
-    deadline = start + timeout_s
+    deadline = time.monotonic() + timeout_s
     logged = False
     while time.monotonic() < deadline:
-        pending = pending_followers(call, arrived_only=time.monotonic() - start > late_s)
+        pending = pending_followers(call)
         if not pending:
             return
         if not logged:
             logger.info("%s: before exiting, waiting up to %.0f s for ranks %s to take the "
-                        "shared weights (at most %.0f s for ranks that have not reached the "
-                        "call)", call.prefix(), deadline - time.monotonic(), pending, late_s)
+                        "shared weights", call.prefix(), deadline - time.monotonic(), pending)
             logged = True
         time.sleep(0.05)
