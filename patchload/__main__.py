@@ -138,7 +138,8 @@ def doctor() -> list[str]:
               + (" (no bound on the total wait)" if cfg.timeout_s is None else "")
               + f", heartbeat {_seconds(cfg.heartbeat_s)}, claim grace "
               f"{_seconds(cfg.claim_grace_s)}, exit wait {_seconds(cfg.exit_wait_s)}, arrival "
-              f"window {_seconds(cfg.arrival_window_s)}, progress warning "
+              f"window {_seconds(cfg.arrival_window_s)}, group timeout "
+              f"{_seconds(cfg.group_timeout_s)}, progress warning "
               f"{_seconds(cfg.progress_warning_s)}",
               f"bucket: {cfg.bucket_bytes / 2**20:g} MiB"]
     from huggingface_hub import constants

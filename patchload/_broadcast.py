@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from typing import TYPE_CHECKING, Any, Callable, Final
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import _state
 from .coordination.followers import gone_ranks
+from .coordination.identity import process_alive
 from .coordination.protocol import Call
 from .coordination.store import job_store
 from ._topology import current_topology
@@ -32,19 +32,17 @@ __all__ = ["share_collective", "receive_collective"]
 
 logger = logging.getLogger(__name__)
 
-_GROUP_TIMEOUT_S: Final = 300.0
-
-
-def _arrived(call: Call, expected: int) -> list[int]:
-    """The ranks that arrived at ``call`` within the window (fewer if ``expected`` did not)."""
+def _members(call: Call, expected: int) -> list[int]:
+    """The followers that arrived at ``call`` within the arrival window (all ``expected`` of
+    them, or fewer once it is over) and whose process is alive (one on this node that died
+    while waiting is left out: the group would wait for it until its timeout)."""
+    if expected > 0:
+        call.store.wait_for(call.key + "arrivals/all", call.config.arrival_window_s)
     ranks = [r for r in range(call.topology.world_size) if r != call.topology.rank]
-    deadline = time.monotonic() + call.config.arrival_window_s
-    while True:
-        with call.store.lock:
-            present = [r for r in ranks if call.store.store.check([call.key + f"arrived/{r}"])]
-        if len(present) >= expected or time.monotonic() > deadline:
-            return present
-        time.sleep(0.02)
+    with call.store.lock:
+        present = {r: json.loads(call.store.store.get(call.key + f"arrived/{r}"))
+                   for r in ranks if call.store.store.check([call.key + f"arrived/{r}"])}
+    return [r for r, who in present.items() if process_alive(who["node"], int(who["pid"]))]
 
 
 def share_collective(call: Call, tensors: list[torch.Tensor]
@@ -64,7 +62,7 @@ def share_collective(call: Call, tensors: list[torch.Tensor]
     topology = call.topology
     expected = (topology.world_size if _state.config().transport == "collective"
                 else topology.num_nodes) - 1
-    members = [topology.rank] + _arrived(call, expected)
+    members = [topology.rank] + _members(call, expected)
     payload = {"members": members, "metas": [meta_of(t).to_json() for t in tensors],
                "key": call.key}
 
@@ -74,7 +72,7 @@ def share_collective(call: Call, tensors: list[torch.Tensor]
         if len(members) == 1:
             return
         group = private_group(call.store.store, group_rank=0, group_size=len(members),
-                              tag=call.key, timeout_s=_GROUP_TIMEOUT_S)
+                              tag=call.key, timeout_s=call.config.group_timeout_s)
         try:
             broadcast(group, [t.detach() for t in tensors], src_group_rank=0, is_src=True,
                       bucket_bytes=_state.config().bucket_bytes)
@@ -107,7 +105,7 @@ def receive_collective(weights: dict[str, Any]) -> list[torch.Tensor] | None:
     try:
         group = private_group(store.store, group_rank=members.index(topology.rank),
                               group_size=len(members), tag=weights["key"],
-                              timeout_s=_GROUP_TIMEOUT_S)
+                              timeout_s=_state.config().group_timeout_s)
         try:
             return broadcast(group, metas, src_group_rank=0, is_src=False,
                              bucket_bytes=_state.config().bucket_bytes)

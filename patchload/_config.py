@@ -39,7 +39,7 @@ _NO_BOUND: Final = ("none", "inf", "infinity")
 _VARIABLES: Final = ("PATCHLOAD", "PATCHLOAD_DOWNLOAD_SCOPE", "PATCHLOAD_BROADCAST",
                      "PATCHLOAD_TRANSPORT", "PATCHLOAD_TIMEOUT", "PATCHLOAD_HEARTBEAT",
                      "PATCHLOAD_CLAIM_GRACE", "PATCHLOAD_EXIT_WAIT", "PATCHLOAD_ARRIVAL_WINDOW",
-                     "PATCHLOAD_PROGRESS_WARNING", "PATCHLOAD_SCOPE_WAIT", "PATCHLOAD_BUCKET_MB",
+                     "PATCHLOAD_GROUP_TIMEOUT", "PATCHLOAD_PROGRESS_WARNING", "PATCHLOAD_SCOPE_WAIT", "PATCHLOAD_BUCKET_MB",
                      "PATCHLOAD_LOG_LEVEL")
 _PREFIX: Final = "PATCHLOAD_"
 _SUFFIXES: Final = tuple(name[len(_PREFIX):] for name in _VARIABLES if name.startswith(_PREFIX))
@@ -88,6 +88,10 @@ class Config:
     arrival_window_s: float = 5.0
     """``PATCHLOAD_ARRIVAL_WINDOW``: seconds a collective broadcast's leader waits for the members
     to arrive once its load is done; later ranks load from the cache."""
+    group_timeout_s: float = 300.0
+    """``PATCHLOAD_GROUP_TIMEOUT``: seconds a collective broadcast's members wait for each other
+    (connecting the private group, then each bucket) before a member gives up and loads from
+    the cache."""
     progress_warning_s: float | None = 60.0
     """``PATCHLOAD_PROGRESS_WARNING``: a follower that has waited longer than this, in seconds,
     logs a WARNING, and again periodically while it waits. None (``none``): no such warning."""
@@ -224,6 +228,7 @@ def _read(env: Mapping[str, str] | None = None) -> Config:
         claim_grace_s=_number(env, "PATCHLOAD_CLAIM_GRACE", 5.0, zero=True),
         exit_wait_s=_number(env, "PATCHLOAD_EXIT_WAIT", 60.0, zero=True),
         arrival_window_s=_number(env, "PATCHLOAD_ARRIVAL_WINDOW", 5.0),
+        group_timeout_s=_number(env, "PATCHLOAD_GROUP_TIMEOUT", 300.0),
         progress_warning_s=_bound(env, "PATCHLOAD_PROGRESS_WARNING", 60.0),
         scope_wait_s=_number(env, "PATCHLOAD_SCOPE_WAIT", 60.0),
         bucket_bytes=int(_number(env, "PATCHLOAD_BUCKET_MB", 256.0) * 2**20),

@@ -33,7 +33,7 @@ LLAMA_IDS = ("f/ok", "f/abort-once", "f/reset", "f/stall", "f/memerr", "f/kill-r
              "f/kill-published", "f/kill-follower", "f/kill-remote", "f/slow", "f/corrupt-cache", "f/stale-lock",
              "f/readonly", "f/pg-timeout", "f/threads", "f/loop", "f/shared-home",
              "f/enospc", "f/enospc-injected", "f/flock-enosys", "f/flock-noop", "f/bcast",
-             "f/bcast-kill-follower", "f/bcast-kill-leader")
+             "f/bcast-kill-follower", "f/bcast-kill-leader", "f/bcast-kill-waiting")
 SHARDED_IDS = ("f/shard404", "f/sharded")
 
 

@@ -50,7 +50,8 @@ def test_no_launcher_full_report_with_every_patch(tmp_path):
     assert not any("(from none)" in line or line.startswith("rank ") for line in lines)
     assert "weights: shared with followers (PATCHLOAD_BROADCAST)" in lines
     assert ("waits: timeout none (no bound on the total wait), heartbeat 5 s, claim grace 5 s, "
-            "exit wait 60 s, arrival window 5 s, progress warning 60 s") in lines
+            "exit wait 60 s, arrival window 5 s, group timeout 300 s, progress warning 60 s"
+            ) in lines
     assert f"hub cache: {tmp_path / 'hub'}" in lines
     installed = lines.index(next(line for line in lines if line.startswith("patches installed:")))
     count = int(lines[installed].split(": ")[1])

@@ -85,6 +85,7 @@ def fault_hub(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
         Fault(repo_id="f/kill-follower", throttle_bytes_per_s=50_000, **get_model),  # ~2 s
         Fault(repo_id="f/pg-timeout", throttle_bytes_per_s=10_000, **get_model),  # ~11 s
         Fault(repo_id="f/shared-home", throttle_bytes_per_s=50_000, **get_model),  # ~2 s
+        Fault(repo_id="f/bcast-kill-waiting", throttle_bytes_per_s=35_000, **get_model),  # ~3 s
     ):
         hub.add_fault(fault)
     yield hub
@@ -270,6 +271,18 @@ def four_ranks(fault_hub: Any, folders: dict[str, Path], tmp_path_factory: pytes
     finally:
         if tmpfs_skip is None:
             subprocess.run(["umount", "-l", str(tmpfs)], timeout=30, check=False)
+
+
+@pytest.fixture(scope="module")
+def collective_member_killed_waiting(fault_hub: Any, folders: dict[str, Path],
+                                     tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """3 plain ranks, the collective transport: rank 2 SIGKILLs itself while it waits for the
+    leader's (throttled, ~3 s) download."""
+    steps = [{"name": "bcast_kill_waiting", "repo": "f/bcast-kill-waiting", "leader": 0,
+              "env": COLLECTIVE, "self_kill": {"rank": 2, "after_s": 0.8}, "dies": [2]}]
+    return F.run_plan_plain(fault_hub, folders, steps,
+                            root=tmp_path_factory.mktemp("bcast-kill-waiting"), world_size=3,
+                            timeout_s=120, PATCHLOAD_HEARTBEAT=str(HEARTBEAT_S))
 
 
 # --- assertions ---------------------------------------------------------------------------------
@@ -615,6 +628,24 @@ def test_leader_killed_while_broadcasting(four_ranks: dict[str, Any]) -> None:
     # 5 s of it: the leader waits that long for rank 3 (dead) to arrive before broadcasting.
     assert F.step_span_s(job, "bcast_kill_leader") < 15
     assert_only_leader_requested(job, "f/bcast-kill-leader", 0)
+
+
+@pytest.mark.timeout(240)
+def test_collective_member_killed_while_waiting_costs_the_others_nothing(
+        collective_member_killed_waiting: Job) -> None:
+    """A member that died before the broadcast (while the leader downloaded) is not made a
+    member of the private group: the others do not wait for it (the group's timeout is
+    ``PATCHLOAD_GROUP_TIMEOUT``, 300 s), and rank 1 still receives the weights."""
+    job = collective_member_killed_waiting
+    assert job.returncodes[2] == -9, job.describe()
+    records = step_records(job, "bcast_kill_waiting")
+    assert sorted(records) == [0, 1], F.describe(job, ["bcast_kill_waiting"])
+    for rank, record in records.items():
+        assert_weights_ok(record, f"rank {rank}")
+    assert not records[1]["opened"], records[1]  # received by broadcast, not read
+    # The ~3 s download and the broadcast; not the group's 300 s timeout.
+    assert F.step_span_s(job, "bcast_kill_waiting") < 20, F.describe(job, ["bcast_kill_waiting"])
+    assert_only_leader_requested(job, "f/bcast-kill-waiting", 0)
 
 
 # --- concurrency and resources ----------------------------------------------------------------

@@ -23,17 +23,17 @@ def test_config_defaults_and_values():
     assert (cfg.enabled, cfg.download_scope, cfg.broadcast, cfg.transport) == (True, "auto", True,
                                                                              "auto")
     assert (cfg.timeout_s, cfg.heartbeat_s, cfg.bucket_bytes) == (None, 5.0, 256 * 2**20)
-    assert (cfg.claim_grace_s, cfg.exit_wait_s, cfg.arrival_window_s,
-            cfg.progress_warning_s) == (5.0, 60.0, 5.0, 60.0)
+    assert (cfg.claim_grace_s, cfg.exit_wait_s, cfg.arrival_window_s, cfg.group_timeout_s,
+            cfg.progress_warning_s) == (5.0, 60.0, 5.0, 300.0, 60.0)
     cfg = load_config({"PATCHLOAD": "yes", "PATCHLOAD_DOWNLOAD_SCOPE": " JOB ",
                        "PATCHLOAD_BUCKET_MB": "1.5", "PATCHLOAD_TIMEOUT": "20",
                        "PATCHLOAD_CLAIM_GRACE": "0", "PATCHLOAD_EXIT_WAIT": "0",
                        "PATCHLOAD_ARRIVAL_WINDOW": "2.5", "PATCHLOAD_PROGRESS_WARNING": "none",
-                       "PATCHLOAD_HEARTBEAT": ""})
+                       "PATCHLOAD_GROUP_TIMEOUT": "30", "PATCHLOAD_HEARTBEAT": ""})
     assert (cfg.enabled, cfg.download_scope, cfg.bucket_bytes, cfg.timeout_s) == (
         True, "job", int(1.5 * 2**20), 20.0)
-    assert (cfg.claim_grace_s, cfg.exit_wait_s, cfg.arrival_window_s,
-            cfg.progress_warning_s, cfg.heartbeat_s) == (0.0, 0.0, 2.5, None, 5.0)
+    assert (cfg.claim_grace_s, cfg.exit_wait_s, cfg.arrival_window_s, cfg.group_timeout_s,
+            cfg.progress_warning_s, cfg.heartbeat_s) == (0.0, 0.0, 2.5, 30.0, None, 5.0)
 
 
 @pytest.mark.parametrize("raw", ["none", "None", " NONE ", "inf", "Infinity"])
@@ -119,7 +119,7 @@ def test_unknown_variable_warns_once_with_the_closest_name(caplog, monkeypatch):
         "unknown variable PATCHLOAD_XYZZY: ignored (patchload reads PATCHLOAD, "
         "PATCHLOAD_DOWNLOAD_SCOPE, PATCHLOAD_BROADCAST, PATCHLOAD_TRANSPORT, PATCHLOAD_TIMEOUT, "
         "PATCHLOAD_HEARTBEAT, PATCHLOAD_CLAIM_GRACE, PATCHLOAD_EXIT_WAIT, "
-        "PATCHLOAD_ARRIVAL_WINDOW, PATCHLOAD_PROGRESS_WARNING, PATCHLOAD_SCOPE_WAIT, "
+        "PATCHLOAD_ARRIVAL_WINDOW, PATCHLOAD_GROUP_TIMEOUT, PATCHLOAD_PROGRESS_WARNING, PATCHLOAD_SCOPE_WAIT, "
         "PATCHLOAD_BUCKET_MB, PATCHLOAD_LOG_LEVEL)"]
 
 
