@@ -191,14 +191,18 @@ def _steps(args: argparse.Namespace, report: dict[str, Any]) -> None:
                                 "process_index": state.process_index,
                                 "num_processes": state.num_processes}
         # No test barrier inside: the other ranks wait in accelerate's own barrier meanwhile.
+        # The models are kept past the block, as a script does (a leader's model freed before
+        # its followers reach the call is not shared: they would load from the cache).
         barrier()
         with state.main_process_first():
-            load("partial_state_first", AutoModelForCausalLM, f"launch/{args.tag}-pfirst",
-                 sync=False)
+            first = load("partial_state_first", AutoModelForCausalLM,
+                         f"launch/{args.tag}-pfirst", sync=False)
         barrier()
         with Accelerator(cpu=True).main_process_first():
-            load("accelerator_first", AutoModelForCausalLM, f"launch/{args.tag}-afirst",
-                 sync=False)
+            second = load("accelerator_first", AutoModelForCausalLM,
+                          f"launch/{args.tag}-afirst", sync=False)
+        barrier()
+        del first, second
     # The reference: the same calls, plain, from this rank's cache.
     barrier()
     patchload.unpatch()

@@ -1,0 +1,75 @@
+"""What patchload keeps alive between a job's phases, and what it costs the job's store.
+
+* A second process group on the same port after ``destroy_process_group`` works as it does
+  plainly (patchload holds no reference to the first group's store).
+* A model only rank 0 loads (a teacher, an eval model): its shared blob goes with the model
+  (``del model`` and a garbage collection), and rank 0's exit does not wait for ranks that never
+  make the call.
+* The store: waiting followers block in the store (at most one request per second each), and a
+  thousand coordinated calls leave it with as many keys as before (``benchmarks/bench_store.py``,
+  small sizes here; the README's table has the large ones).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _launch import REPO_ROOT, free_port, job_env, run_plain, run_torchrun
+from patchload.testing import LoopbackHub
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="multi-rank jobs need Linux")
+
+
+@pytest.mark.timeout(300)
+def test_a_second_process_group_on_the_same_port(hub: LoopbackHub, tmp_path: Path) -> None:
+    for mode, extra in (("plain", {"PATCHLOAD": "0"}), ("patched", {})):
+        env = job_env(hub.endpoint, tmp_path / mode / "hf", tmp_path / mode / "out",
+                      PLT_PG_PORT=str(free_port()), **extra)
+        job = run_plain(hub, "lifecycle", ["regroup"], env=env, timeout_s=120).check_ok()
+        assert {rank: (r["model_type"], r["sum"]) for rank, r in job.ranks.items()} == \
+            {0: ("llama", 3.0), 1: ("llama", 3.0)}, (mode, job.describe())
+
+
+@pytest.mark.timeout(300)
+def test_a_model_only_rank0_loads_is_freed_with_its_blob(hub: LoopbackHub,
+                                                         tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = job_env(hub.endpoint, tmp_path / "hf", out, PATCHLOAD_LOG_LEVEL="DEBUG")
+    job = run_torchrun(hub, "lifecycle", ["teacher"], nproc=2, env=env,
+                       timeout_s=120).check_ok()
+    leader = job.ranks[0]
+    # The converting load left its bf16 weights in one shared blob...
+    assert leader["loaded"]["count"] == 1, leader
+    assert leader["loaded"]["bytes"] >= leader["param_bytes"], leader
+    # ... which went with the model.
+    assert leader["freed"] == {"count": 0, "bytes": 0}, (leader, job.outputs[0][-3000:])
+    # Rank 1 never made the call: rank 0's exit did not wait for it (it used to wait 5 s).
+    exit_s = json.loads((out / "exit-0.json").read_text())["t_exit"] - leader["t_end"]
+    print(f"rank 0 exited {exit_s:.2f} s after its last line")
+    assert exit_s < 2.0, job.outputs[0][-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_waiting_followers_and_a_thousand_calls_leave_the_store_as_it_was(
+        tmp_path: Path) -> None:
+    result = tmp_path / "store.json"
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_store.py"),
+                           "--followers", "32", "--wait-s", "11", "--calls", "1000",
+                           "--json", str(result)], capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    print(done.stdout)
+    figures = json.loads(result.read_text())
+    (waiting,) = figures["waiting"]
+    assert waiting["returned"] == 32, waiting
+    assert waiting["requests"] > 0 and waiting["req_per_s_per_follower"] <= 1.0, waiting
+    row = figures["row"]
+    before, after = row["before"], row["after"]
+    assert (after["keys"], after["fds"], after["threads"]) == \
+        (before["keys"], before["fds"], before["threads"]), row

@@ -1,0 +1,106 @@
+"""Rank worker of tests/test_lifecycle.py: what patchload leaves alive between a job's phases.
+
+Usage: ``lifecycle.py regroup`` or ``lifecycle.py teacher``; reports go to
+``$PLT_OUT/rank-<rank>.json``.
+
+* ``regroup`` (the user's script; starts 2 ranks with ``torch.multiprocessing.spawn``): each
+  rank runs ``init_process_group`` (gloo, ``tcp://127.0.0.1:$PLT_PG_PORT``),
+  ``AutoConfig.from_pretrained("org/llama")``, ``destroy_process_group()``, then
+  ``init_process_group`` again on the same port and an ``all_reduce`` (reported).
+* ``teacher`` (under a launcher): only rank 0 loads ``org/llama`` as ``bfloat16`` (a converting
+  load: a shared blob), then ``del model`` and ``gc.collect()``; it reports its shared-memory
+  fds and their bytes before and after, and how long its interpreter took to exit (the other
+  ranks never make the call).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+OUT = Path(os.environ["PLT_OUT"])
+
+
+def _write(rank: int, report: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"rank-{rank}.json").write_text(json.dumps(report, sort_keys=True))
+
+
+def _regroup_rank(index: int, world_size: int) -> None:
+    os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{index}"
+    import patchload  # noqa: F401 - installs the patches (unless PATCHLOAD=0)
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    init = f"tcp://127.0.0.1:{os.environ['PLT_PG_PORT']}"
+    dist.init_process_group("gloo", init_method=init, rank=index, world_size=world_size,
+                            timeout=timedelta(seconds=30))
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained("org/llama")
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=init, rank=index, world_size=world_size,
+                            timeout=timedelta(seconds=30))
+    value = torch.tensor([float(index + 1)])
+    dist.all_reduce(value)
+    dist.destroy_process_group()
+    _write(index, {"model_type": config.model_type, "sum": value.item()})
+
+
+def _memfds() -> dict[str, int]:
+    """This process's open memfds (patchload's blobs): how many, and their bytes."""
+    count = size = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
+                count += 1
+                size += os.fstat(int(fd)).st_size
+        except OSError:
+            continue
+    return {"count": count, "bytes": size}
+
+
+def _teacher() -> None:
+    rank = int(os.environ["RANK"])
+    exit_log = OUT / f"exit-{rank}.json"
+    # Registered before patchload's own handlers, so it runs after them (atexit is LIFO).
+    atexit.register(lambda: exit_log.write_text(json.dumps({"t_exit": time.time()})))
+    os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{rank}"
+    import gc
+
+    import patchload  # noqa: F401
+    import torch
+
+    report: dict = {}
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained("org/llama", dtype=torch.bfloat16)
+        report["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        report["loaded"] = _memfds()
+        del model
+        gc.collect()
+        report["freed"] = _memfds()
+    report["t_end"] = time.time()
+    _write(rank, report)
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if sys.argv[1] == "regroup":
+        import torch.multiprocessing as mp
+
+        mp.spawn(_regroup_rank, args=(2,), nprocs=2, join=True)
+    elif sys.argv[1] == "teacher":
+        _teacher()
+    else:
+        raise SystemExit(f"unknown mode {sys.argv[1]!r}")
+
+
+if __name__ == "__main__":
+    main()
