@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_store.py                      # N = 64, 256, 1024
     .venv/bin/python benchmarks/bench_store.py --followers 64 --wait-s 6
 
-One ``TCPStore`` server in this process stands in for torchrun's agent store. For each N in
+One ``TCPStore`` server in a process of its own stands in for torchrun's agent store. For each N in
 ``--followers``, N simulated followers (threads, each with its own store client, as N processes
 would have) claim one call that a leader (this process's main thread) already leads, and wait
 for its outcome through patchload's own code (``claim``, ``wait_outcome``) while the leader
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -149,16 +150,16 @@ def waiting(port: int, n: int, wait_s: float, config: Config) -> dict[str, Any]:
             "unrelated_max_ms": 1e3 * max(unrelated)}
 
 
-def calls_in_a_row(port: int, master: Any, calls: int, ranks: int,
-                   config: Config) -> dict[str, Any]:
+def calls_in_a_row(port: int, calls: int, ranks: int, config: Config) -> dict[str, Any]:
     """``calls`` coordinated calls among ``ranks`` simulated ranks; the store's keys, this
     process's fds, threads and RSS before and after."""
     counter, lock = [0], threading.Lock()
     stores = [client(port, counter, lock) for _ in range(ranks)]
+    observer = dist.TCPStore("127.0.0.1", port, is_master=False)
     process = psutil.Process()
 
     def facts() -> dict[str, int]:
-        return {"keys": master.num_keys(), "fds": process.num_fds(),
+        return {"keys": observer.num_keys(), "fds": process.num_fds(),
                 "threads": threading.active_count(), "rss_mib": process.memory_info().rss >> 20}
 
     def run(rank: int, i: int) -> None:
@@ -187,6 +188,27 @@ def calls_in_a_row(port: int, master: Any, calls: int, ranks: int,
             "ms_per_call": 1e3 * elapsed / calls}
 
 
+def run(args: argparse.Namespace, port: int, config: Config) -> None:
+    results: dict[str, Any] = {"waiting": [], "row": None}
+    print("| followers | req/s per follower | release p50 | release max | unrelated p50 "
+          "| unrelated max |\n|---|---|---|---|---|---|")
+    for n in args.followers:
+        r = waiting(port, n, args.wait_s, config)
+        results["waiting"].append(r)
+        print(f"| {n} | {r['req_per_s_per_follower']:.2f} | {r['release_p50_ms']:.0f} ms "
+              f"| {r['release_max_ms']:.0f} ms | {r['unrelated_p50_ms']:.1f} ms "
+              f"| {r['unrelated_max_ms']:.1f} ms |", flush=True)
+    row = calls_in_a_row(port, args.calls, args.ranks, config)
+    results["row"] = row
+    print(f"\n{row['calls']} calls among {row['ranks']} ranks ({row['ms_per_call']:.1f} ms "
+          "each):\n\n| | store keys | fds | threads | RSS MiB |\n|---|---|---|---|---|")
+    for when in ("before", "after"):
+        f = row[when]
+        print(f"| {when} | {f['keys']} | {f['fds']} | {f['threads']} | {f['rss_mib']} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--followers", type=int, nargs="+", default=[64, 256, 1024])
@@ -196,26 +218,16 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     config = Config(claim_grace_s=5.0)
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=120))
-    results: dict[str, Any] = {"waiting": [], "row": None}
-    print("| followers | req/s per follower | release p50 | release max | unrelated p50 "
-          "| unrelated max |\n|---|---|---|---|---|---|")
-    for n in args.followers:
-        r = waiting(master.port, n, args.wait_s, config)
-        results["waiting"].append(r)
-        print(f"| {n} | {r['req_per_s_per_follower']:.2f} | {r['release_p50_ms']:.0f} ms "
-              f"| {r['release_max_ms']:.0f} ms | {r['unrelated_p50_ms']:.1f} ms "
-              f"| {r['unrelated_max_ms']:.1f} ms |", flush=True)
-    row = calls_in_a_row(master.port, master, args.calls, args.ranks, config)
-    results["row"] = row
-    print(f"\n{row['calls']} calls among {row['ranks']} ranks ({row['ms_per_call']:.1f} ms "
-          "each):\n\n| | store keys | fds | threads | RSS MiB |\n|---|---|---|---|---|")
-    for when in ("before", "after"):
-        f = row[when]
-        print(f"| {when} | {f['keys']} | {f['fds']} | {f['threads']} | {f['rss_mib']} |")
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1))
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, "
+         "is_master=True, wait_for_workers=False); print(s.port, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())  # type: ignore[union-attr]
+        run(args, port, config)
+    finally:
+        server.kill()
+        server.wait()
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ _NO_BOUND: Final = ("none", "inf", "infinity")
 _VARIABLES: Final = ("PATCHLOAD", "PATCHLOAD_DOWNLOAD_SCOPE", "PATCHLOAD_BROADCAST",
                      "PATCHLOAD_TRANSPORT", "PATCHLOAD_TIMEOUT", "PATCHLOAD_HEARTBEAT",
                      "PATCHLOAD_CLAIM_GRACE", "PATCHLOAD_EXIT_WAIT", "PATCHLOAD_ARRIVAL_WINDOW",
-                     "PATCHLOAD_GROUP_TIMEOUT", "PATCHLOAD_PROGRESS_WARNING", "PATCHLOAD_SCOPE_WAIT", "PATCHLOAD_BUCKET_MB",
-                     "PATCHLOAD_LOG_LEVEL")
+                     "PATCHLOAD_GROUP_TIMEOUT", "PATCHLOAD_PROGRESS_WARNING",
+                     "PATCHLOAD_SCOPE_WAIT", "PATCHLOAD_BUCKET_MB", "PATCHLOAD_LOG_LEVEL")
 _PREFIX: Final = "PATCHLOAD_"
 _SUFFIXES: Final = tuple(name[len(_PREFIX):] for name in _VARIABLES if name.startswith(_PREFIX))
 # Read by patchload's own tools, not by the library: never reported as unknown.

@@ -1,7 +1,7 @@
 """What patchload keeps alive between a job's phases, and what it costs the job's store.
 
-* A second process group on the same port after ``destroy_process_group`` works as it does
-  plainly (patchload holds no reference to the first group's store).
+* After ``destroy_process_group`` patchload holds no reference to the group's store (on rank 0
+  it owns the port's server), and a second group works.
 * A model only rank 0 loads (a teacher, an eval model): its shared blob goes with the model
   (``del model`` and a garbage collection), and rank 0's exit does not wait for ranks that never
   make the call.
@@ -27,13 +27,16 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 
 @pytest.mark.timeout(300)
-def test_a_second_process_group_on_the_same_port(hub: LoopbackHub, tmp_path: Path) -> None:
+def test_no_reference_to_a_destroyed_group_and_a_second_group_works(hub: LoopbackHub,
+                                                                   tmp_path: Path) -> None:
     for mode, extra in (("plain", {"PATCHLOAD": "0"}), ("patched", {})):
         env = job_env(hub.endpoint, tmp_path / mode / "hf", tmp_path / mode / "out",
-                      PLT_PG_PORT=str(free_port()), **extra)
+                      PLT_PG_PORT=str(free_port()), PLT_PG_PORT2=str(free_port()), **extra)
         job = run_plain(hub, "lifecycle", ["regroup"], env=env, timeout_s=120).check_ok()
-        assert {rank: (r["model_type"], r["sum"]) for rank, r in job.ranks.items()} == \
-            {0: ("llama", 3.0), 1: ("llama", 3.0)}, (mode, job.describe())
+        # The first group's store object is gone, and a second group works.
+        assert {rank: (r["model_type"], r["store_freed"], r["sum"])
+                for rank, r in job.ranks.items()} == \
+            {0: ("llama", True, 3.0), 1: ("llama", True, 3.0)}, (mode, job.describe())
 
 
 @pytest.mark.timeout(300)

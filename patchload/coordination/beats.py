@@ -30,7 +30,8 @@ __all__ = ["Heartbeat", "LeaderWatch", "beat", "read_beat", "wait_beat"]
 
 logger = logging.getLogger(__name__)
 
-_KEEP_BEAT_KEYS: Final = 3  # a follower slow between reading the counter and waiting still finds its key
+# Beat keys kept: a follower slow between reading the counter and waiting still finds its key.
+_KEEP_BEAT_KEYS: Final = 3
 
 
 def beat(call: Call) -> None:

@@ -5,8 +5,11 @@ Usage: ``lifecycle.py regroup`` or ``lifecycle.py teacher``; reports go to
 
 * ``regroup`` (the user's script; starts 2 ranks with ``torch.multiprocessing.spawn``): each
   rank runs ``init_process_group`` (gloo, ``tcp://127.0.0.1:$PLT_PG_PORT``),
-  ``AutoConfig.from_pretrained("org/llama")``, ``destroy_process_group()``, then
-  ``init_process_group`` again on the same port and an ``all_reduce`` (reported).
+  ``AutoConfig.from_pretrained("org/llama")``, ``destroy_process_group()`` and a garbage
+  collection (it reports whether the first group's store object is gone: nothing holds it),
+  then a second group on ``$PLT_PG_PORT2`` and an ``all_reduce`` (reported). Not the same port:
+  torch 2.13 keeps serving it after ``destroy_process_group``, with the first group's keys, and
+  a second group there hangs now and then without patchload too.
 * ``teacher`` (under a launcher): only rank 0 loads ``org/llama`` as ``bfloat16`` (a converting
   load: a shared blob), then ``del model`` and ``gc.collect()``; it reports its shared-memory
   fds and their bytes before and after, and how long its interpreter took to exit (the other
@@ -16,10 +19,12 @@ Usage: ``lifecycle.py regroup`` or ``lifecycle.py teacher``; reports go to
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 OUT = Path(os.environ["PLT_OUT"])
@@ -43,13 +48,18 @@ def _regroup_rank(index: int, world_size: int) -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained("org/llama")
+    first_store = weakref.ref(dist.distributed_c10d._get_default_store())
     dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=init, rank=index, world_size=world_size,
+    gc.collect()
+    store_freed = first_store() is None
+    second = f"tcp://127.0.0.1:{os.environ['PLT_PG_PORT2']}"
+    dist.init_process_group("gloo", init_method=second, rank=index, world_size=world_size,
                             timeout=timedelta(seconds=30))
     value = torch.tensor([float(index + 1)])
     dist.all_reduce(value)
     dist.destroy_process_group()
-    _write(index, {"model_type": config.model_type, "sum": value.item()})
+    _write(index, {"model_type": config.model_type, "sum": value.item(),
+                   "store_freed": store_freed})
 
 
 def _memfds() -> dict[str, int]:
@@ -71,8 +81,6 @@ def _teacher() -> None:
     # Registered before patchload's own handlers, so it runs after them (atexit is LIFO).
     atexit.register(lambda: exit_log.write_text(json.dumps({"t_exit": time.time()})))
     os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{rank}"
-    import gc
-
     import patchload  # noqa: F401
     import torch
 
