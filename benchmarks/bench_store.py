@@ -85,30 +85,54 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def waiting(port: int, n: int, wait_s: float, config: Config) -> dict[str, Any]:
-    """N followers wait on one call for ``wait_s`` seconds; see the module docstring."""
-    world = n + 1
-    key = f"job/wait/{n}/"
-    leader_counter, follower_counter, lock = [0], [0], threading.Lock()
-    leader_store = client(port, leader_counter, lock)
-    leader_call = protocol.Call(key, f"bench wait N={n}", "job",
-                                Topology(0, world, 0, 8, 0, "torchrun"), config, leader_store)
-    leader_call, role = protocol.claim(leader_call)
-    assert role.lead
-    remote = protocol.Role(False, 0, role.leader_pid, "another-node")
+def followers_process(port: int, key: str, ranks: list[int], world: int,
+                      leader_pid: int) -> None:
+    """A child process of :func:`waiting`: one thread per rank in ``ranks`` claims the call and
+    waits for its outcome. Protocol on stdin/stdout: prints ``ready`` once every thread waits;
+    each ``mark`` line read is answered with the request count so far; at the end prints the
+    wall-clock time (``time.time()``) at which each thread's wait returned, as JSON."""
+    counter, lock = [0], threading.Lock()
+    config = Config(progress_warning_s=None)  # connecting 1,024 clients takes a minute
+    remote = protocol.Role(False, 0, leader_pid, "another-node")
     waiting_now = threading.Semaphore(0)
     returned: list[float] = []
 
     def follower(rank: int) -> None:
-        store = client(port, follower_counter, lock)
-        call = protocol.Call(key, leader_call.what, "job",
+        call = protocol.Call(key, "bench wait", "job",
                              Topology(rank, world, rank % 8, 8, rank // 8, "torchrun"), config,
-                             store)
+                             client(port, counter, lock))
         call, _ = protocol.claim(call)
         waiting_now.release()
         protocol.wait_outcome(call, remote)
-        returned.append(time.monotonic())
+        returned.append(time.time())
 
+    threads = [threading.Thread(target=follower, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        waiting_now.acquire()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "mark":
+            print(counter[0], flush=True)
+        else:
+            break
+    for t in threads:
+        t.join(60)
+    print(json.dumps(returned), flush=True)
+
+
+def waiting(port: int, n: int, wait_s: float, processes: int,
+            config: Config) -> dict[str, Any]:
+    """N followers, spread over ``processes`` processes, wait on one call for ``wait_s``
+    seconds; see the module docstring."""
+    world = n + 1
+    key = f"job/wait/{n}/"
+    leader_call = protocol.Call(key, f"bench wait N={n}", "job",
+                                Topology(0, world, 0, 8, 0, "torchrun"), config,
+                                client(port, [0], threading.Lock()))
+    leader_call, role = protocol.claim(leader_call)
+    assert role.lead
     unrelated: list[float] = []
     stop = threading.Event()
 
@@ -121,29 +145,37 @@ def waiting(port: int, n: int, wait_s: float, config: Config) -> dict[str, Any]:
             unrelated.append(time.monotonic() - start)
             i += 1
 
+    def ask(line: str) -> list[str]:
+        for child in children:
+            child.stdin.write(line + "\n")  # type: ignore[union-attr]
+            child.stdin.flush()  # type: ignore[union-attr]
+        return [child.stdout.readline().strip() for child in children]  # type: ignore
+
+    followers = list(range(1, world))
     with protocol.leading(leader_call) as done:
-        threads = [threading.Thread(target=follower, args=(r,), daemon=True)
-                   for r in range(1, world)]
-        for t in threads:
-            t.start()
-        for _ in threads:
-            waiting_now.acquire()
+        children = [subprocess.Popen(
+            [sys.executable, __file__, "--child", json.dumps(
+                [port, key, followers[i::processes], world, role.leader_pid])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for i in range(processes)]
+        assert [c.stdout.readline().strip() for c in children] == ["ready"] * processes  # type: ignore
         time.sleep(0.5)  # every follower is blocked in its wait by now
         prober = threading.Thread(target=probe, daemon=True)
         prober.start()
-        counted_from, start = follower_counter[0], time.monotonic()
+        start, before = time.monotonic(), sum(int(x) for x in ask("mark"))
         time.sleep(wait_s)
+        requests = sum(int(x) for x in ask("mark")) - before
         window = time.monotonic() - start
-        requests = follower_counter[0] - counted_from
         stop.set()
         prober.join()
-        published = time.monotonic()
+        published = time.time()
         done({})
-    for t in threads:
-        t.join(60)
+    returned = [t for line in ask("end") for t in json.loads(line)]
+    for child in children:
+        child.wait(60)
     release = [t - published for t in returned]
-    return {"followers": n, "window_s": round(window, 2), "requests": requests,
-            "req_per_s_per_follower": requests / n / window,
+    return {"followers": n, "processes": processes, "window_s": round(window, 2),
+            "requests": requests, "req_per_s_per_follower": requests / n / window,
             "release_p50_ms": 1e3 * statistics.median(release),
             "release_max_ms": 1e3 * max(release), "returned": len(returned),
             "unrelated_p50_ms": 1e3 * statistics.median(unrelated),
@@ -193,7 +225,7 @@ def run(args: argparse.Namespace, port: int, config: Config) -> None:
     print("| followers | req/s per follower | release p50 | release max | unrelated p50 "
           "| unrelated max |\n|---|---|---|---|---|---|")
     for n in args.followers:
-        r = waiting(port, n, args.wait_s, config)
+        r = waiting(port, n, args.wait_s, args.processes, config)
         results["waiting"].append(r)
         print(f"| {n} | {r['req_per_s_per_follower']:.2f} | {r['release_p50_ms']:.0f} ms "
               f"| {r['release_max_ms']:.0f} ms | {r['unrelated_p50_ms']:.1f} ms "
@@ -215,9 +247,15 @@ def main() -> None:
     parser.add_argument("--wait-s", type=float, default=12.0)
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--processes", type=int, default=8,
+                        help="processes the followers are spread over (threads in each)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    config = Config(claim_grace_s=5.0)
+    if args.child is not None:
+        followers_process(*json.loads(args.child))
+        return
+    config = Config()
     server = subprocess.Popen(
         [sys.executable, "-c", "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, "
          "is_master=True, wait_for_workers=False); print(s.port, flush=True); sys.stdin.read()"],

@@ -304,12 +304,19 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
             _LEADER_WATCH.unwatch(token)
 
 
+_ABSENT: Final = "\x00absent"  # never a published value (JSON has no NUL outside strings)
+
+
 def _outcome_or_files(call: Call, or_files: bool) -> tuple[bool, dict[str, Any] | None]:
     """(True, the published outcome), (True, None) if ``or_files`` and the leader announced its
-    files, else (False, None). The caller holds the lock."""
+    files, else (False, None). The caller holds the lock.
+
+    One request for the outcome: ``compare_set`` with an expected value no key holds writes
+    nothing and returns the value, or the expected value when the key is absent."""
     store = call.store.store
-    if store.check([call.key + "outcome"]):
-        return True, json.loads(store.get(call.key + "outcome"))
+    value = store.compare_set(call.key + "outcome", _ABSENT, _ABSENT + "-never-written")
+    if value != _ABSENT.encode():
+        return True, json.loads(value)
     return (or_files and store.check([call.key + "files"])), None
 
 
