@@ -196,9 +196,8 @@ def _grace(call: Call) -> None:
 
 def _failed(call: Call) -> bool:
     """Whether the attempt ``call`` has a published error outcome (caller holds the lock)."""
-    store = call.store.store
-    return bool(store.check([call.key + "outcome"])
-                and not json.loads(store.get(call.key + "outcome")).get("ok"))
+    outcome = _published(call)
+    return outcome is not None and not outcome.get("ok")
 
 
 _HEARTBEAT: Final = Heartbeat()
@@ -267,8 +266,9 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
             cause = f"no heartbeat for {now - last_beat_at:.0f} s"
         if cause is not None:
             with store.lock:  # it may have published just before dying
-                if store.store.check([call.key + "outcome"]):
-                    return json.loads(store.store.get(call.key + "outcome"))
+                outcome = _published(call)
+            if outcome is not None:
+                return outcome
             raise LeaderFailedError(
                 f"{call.prefix(role.leader_rank)}: the leader failed: {cause}",
                 rank=call.topology.rank, leader_rank=role.leader_rank, cause=cause)
@@ -307,17 +307,23 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
 _ABSENT: Final = "\x00absent"  # never a published value (JSON has no NUL outside strings)
 
 
+def _published(call: Call) -> dict[str, Any] | None:
+    """The outcome the leader of ``call`` published, or None (the caller holds the lock).
+
+    One request: ``compare_set`` with an expected value no key holds writes nothing and returns
+    the value, or the expected value when the key is absent."""
+    value = call.store.store.compare_set(call.key + "outcome", _ABSENT,
+                                         _ABSENT + "-never-written")
+    return None if value == _ABSENT.encode() else json.loads(value)
+
+
 def _outcome_or_files(call: Call, or_files: bool) -> tuple[bool, dict[str, Any] | None]:
     """(True, the published outcome), (True, None) if ``or_files`` and the leader announced its
-    files, else (False, None). The caller holds the lock.
-
-    One request for the outcome: ``compare_set`` with an expected value no key holds writes
-    nothing and returns the value, or the expected value when the key is absent."""
-    store = call.store.store
-    value = store.compare_set(call.key + "outcome", _ABSENT, _ABSENT + "-never-written")
-    if value != _ABSENT.encode():
-        return True, json.loads(value)
-    return (or_files and store.check([call.key + "files"])), None
+    files, else (False, None). The caller holds the lock."""
+    outcome = _published(call)
+    if outcome is not None:
+        return True, outcome
+    return (or_files and call.store.store.check([call.key + "files"])), None
 
 
 def _bytes_under(path: str | None) -> int:
