@@ -29,6 +29,7 @@ from . import _state
 from ._compat import describe_loading_info, initialized_by_follower, loaded_from_leader
 from ._patching import Patch
 from ._shares import OpenShares
+from ._writes import MappedModels
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
@@ -54,6 +55,8 @@ _TRIM_EVERY_BYTES: Final = 16 * 2**20
 
 # The blobs this process shares as a node leader, kept open for its followers.
 _SHARES: Final = OpenShares()
+# The loaded models of this process that map a shared blob, until their weights are written.
+_MAPPED: Final = MappedModels()
 # True inside a from_pretrained that runs on every rank at once (collective construction).
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("patchload_alone", default=False)
 
@@ -184,6 +187,10 @@ def _share(result: Any, call: Call, mode: Mode
     info.update(transport="shm", descriptor=descriptor)
     if descriptor.get("fd") is not None:  # followers open the blob through this process
         _SHARES.add(call, descriptor, model)
+        _MAPPED.add(model, _blob_storage({"transport": "shm", "descriptor": descriptor},
+                                         pending),
+                    f"{call.prefix()} {call.what}",
+                    on_unmapped=lambda: _SHARES.unmapped(descriptor))
     logger.info("%s: shared %d tensors (%d bytes) with this node's ranks", call.prefix(),
                 len(entries), shared_bytes)
     return {"weights": info}, None
@@ -288,6 +295,9 @@ def receive(mode: Mode, model: Any) -> bool:
         _check_structure(model, entries, [meta_of(t) for t in tensors], skip)
     _assemble(model, entries, tensors, skip)
     mode.used["received"] = (entries, tensors, skip)
+    taken = {index for name, _, index, _ in entries if name not in skip}
+    mode.used["received_bytes"] = sum(tensors[i].numel() * tensors[i].element_size()
+                                      for i in taken)
     return True
 
 
@@ -313,7 +323,7 @@ def _settle(result: Any, mode: Mode) -> Any:
     (transformers re-creates non-persistent buffers after loading; their values must match),
     but those this rank initialised itself."""
     model = _model_of(result)
-    if model is not None and "received" in mode.used:
+    if model is not None and mode.used.get("received") is not None:
         entries, tensors, skip = mode.used["received"]
         for name, kind, index, _ in entries:
             if name in skip:
@@ -323,7 +333,24 @@ def _settle(result: Any, mode: Mode) -> Any:
                 module._buffers[attribute] = tensors[index]
             elif module._parameters[attribute].data.data_ptr() != tensors[index].data_ptr():
                 module._parameters[attribute].data = tensors[index]
+        blob = _blob_storage(mode.payload["weights"], tensors)
+        if blob is not None:
+            _MAPPED.add(model, blob, f"{mode.call.prefix()} {mode.call.what}")
+        # The model holds them now; no other reference may pin the mapping (see _writes).
+        mode.used["received"] = None
     return result
+
+
+def _blob_storage(weights: dict[str, Any], tensors: list[torch.Tensor]
+                  ) -> torch.UntypedStorage | None:
+    """This rank's mapping of the shared blob, when ``tensors`` (in the order of the
+    descriptor's entries) are views of one."""
+    if weights.get("transport") != "shm":
+        return None
+    for entry, tensor in zip(weights["descriptor"]["tensors"], tensors):
+        if entry["kind"] == "blob":
+            return tensor.untyped_storage()
+    return None
 
 
 def checkpoint_header(mode: Mode, checkpoint_file: Any,
@@ -475,9 +502,37 @@ def _auto_classes(module: Any) -> list[str]:
             and "from_pretrained" in vars(obj)]
 
 
+def _before_ddp(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+    """``DistributedDataParallel.__init__``: its broadcast writes every parameter and buffer of
+    the module on ranks other than 0, and training follows (see :mod:`patchload._writes`)."""
+    module = args[0] if args else kwargs.get("module")
+    if _MAPPED and module is not None:
+        _MAPPED.before_writes(_tensors_of(module), "wrapped in DistributedDataParallel")
+    return wrapped(*args, **kwargs)
+
+
+def _after_param_group(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+    """``Optimizer.add_param_group``: its step will write the group's parameters that require
+    a gradient (see :mod:`patchload._writes`)."""
+    result = wrapped(*args, **kwargs)
+    if _MAPPED and instance.param_groups:
+        trained = [p for p in instance.param_groups[-1]["params"] if p.requires_grad]
+        _MAPPED.before_writes(trained, f"given to {type(instance).__name__}")
+    return result
+
+
+def _tensors_of(module: Any) -> list[torch.Tensor]:
+    return list(module.parameters()) + list(module.buffers())
+
+
 def load_patches() -> list[Patch]:
-    """The patches for model loading: ``from_pretrained`` and the checkpoint-reading step."""
+    """The patches for model loading: ``from_pretrained`` and the checkpoint-reading step, and
+    the calls announcing that loaded weights will be written."""
     return [
+        Patch("torch.nn.parallel.distributed", "DistributedDataParallel.__init__", _before_ddp),
+        Patch("torch.optim.optimizer", "Optimizer.add_param_group", _after_param_group),
         Patch("transformers.modeling_utils", "PreTrainedModel.from_pretrained", from_pretrained),
         Patch("transformers.models.auto.modeling_auto", "", from_pretrained,
               expand=_auto_classes),

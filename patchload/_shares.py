@@ -4,8 +4,10 @@ A follower maps the leader's blob through the leader's open fd (``/proc/<pid>/fd
 leader keeps it open after its load. It is closed (and its memory goes with the leader's last
 mapping of it):
 
-* once the leader's model is freed (``del model`` and a garbage collection) and every follower
-  that arrived at the call is done with it (or its process is gone);
+* once the leader's model no longer maps it (``del model`` and a garbage collection, or its
+  weights copied out before being written: :mod:`patchload._writes`) and every follower that
+  arrived at the call is done with it (or its process is gone; a thread of the leader waits
+  for them, at most ``PATCHLOAD_EXIT_WAIT`` seconds);
 * at the leader's next ``from_pretrained``, once its followers are done, the ranks of the node
   that have not reached the call counted for ``_LATE_S`` seconds after the share (a follower
   reaches a nested call only after its enclosing call);
@@ -39,7 +41,7 @@ class _Share:
     call: Call
     descriptor: dict[str, Any]
     shared_at: float = field(default_factory=time.monotonic)
-    model_freed: bool = False
+    unmapped: bool = False  # the leader's model no longer maps the blob (freed or copied)
 
 
 class OpenShares:
@@ -59,7 +61,7 @@ class OpenShares:
                 atexit.register(self.release_at_exit)
                 self._exit_hooked = True
             self._shares.append(share)
-        finalizer = weakref.finalize(model, self._model_freed, share)
+        finalizer = weakref.finalize(model, self._unmapped, share)
         finalizer.atexit = False  # at exit, release_at_exit waits for the followers first
 
     def __bool__(self) -> bool:
@@ -72,7 +74,7 @@ class OpenShares:
             shares = list(self._shares)
         now = time.monotonic()
         for share in shares:
-            arrived_only = share.model_freed or now - share.shared_at > _LATE_S
+            arrived_only = share.unmapped or now - share.shared_at > _LATE_S
             if not pending_followers(share.call, arrived_only=arrived_only):
                 self._release(share)
 
@@ -87,14 +89,37 @@ class OpenShares:
             wait_followers_done(share.call, max(0.0, share.call.config.exit_wait_s - elapsed))
             self._release(share)
 
-    def _model_freed(self, share: _Share) -> None:
-        share.model_freed = True
+    def unmapped(self, descriptor: dict[str, Any]) -> None:
+        """The leader's model no longer maps the blob of ``descriptor`` (its weights were copied
+        out before being written): close it once the followers that arrived are done."""
+        with self._lock:
+            shares = [s for s in self._shares if s.descriptor is descriptor]
+        for share in shares:
+            self._unmapped(share)
+
+    def _unmapped(self, share: _Share) -> None:
+        share.unmapped = True
         try:
-            if not pending_followers(share.call, arrived_only=True):
-                self._release(share)
-        except Exception as err:  # noqa: BLE001 - in a finalizer: released later instead
-            logger.debug("%s: checking the followers of a freed model failed: %s",
+            pending = pending_followers(share.call, arrived_only=True)
+        except Exception as err:  # noqa: BLE001 - maybe in a finalizer: released later instead
+            logger.debug("%s: checking the followers of an unmapped blob failed: %s",
                          share.call.prefix(), err)
+            return
+        if not pending:
+            self._release(share)
+            return
+        # Followers still attaching: close it once they are done, without holding up this rank.
+        threading.Thread(target=self._release_when_done, args=(share,), daemon=True,
+                         name="patchload-release").start()
+
+    def _release_when_done(self, share: _Share) -> None:
+        try:
+            wait_followers_done(share.call, share.call.config.exit_wait_s,
+                                before="closing the shared blob")
+        except Exception as err:  # noqa: BLE001 - released at the next load or at exit
+            logger.debug("%s: waiting for the followers failed: %s", share.call.prefix(), err)
+            return
+        self._release(share)
 
     def _release(self, share: _Share) -> None:
         from .transport import shm
@@ -105,4 +130,4 @@ class OpenShares:
             self._shares.remove(share)
         shm.release(share.descriptor)
         logger.debug("%s: closed the shared blob (followers done%s)", share.call.prefix(),
-                     ", model freed" if share.model_freed else "")
+                     ", model freed or copied out" if share.unmapped else "")

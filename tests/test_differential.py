@@ -11,7 +11,8 @@ worker ``tests/workers/differential.py``. Three jobs hold every scenario of issu
   happy-path matrix, a rank-0-only ``local_files_only`` probe, a transient 404 then a user
   retry, hub calls from worker threads, a new head with per-rank and with equal seeds, a
   ``config=`` whose ``repr()`` raises, ``./ckpt`` in a different working directory per rank
-  (each its own checkpoint), and a ``.bin``-only repo (last: transformers' auto-conversion
+  (each its own checkpoint), an optimizer step on a converting load (the shared copy is given
+  up before the writes; a view kept across it still sees them), and a ``.bin``-only repo (last: transformers' auto-conversion
   thread outlives the call).
 
 Each group runs plain twice (``test_two_plain_runs_agree``: the harness is deterministic, so a
@@ -229,6 +230,27 @@ BIN_ONLY = Scenario(
         {"name": "model", "op": "model", "repo": "diff/bin-only"},
     ), Requests.ONE_PER_CACHE, setup=_bin_setup, requests_to_end=True)
 
+def _train_setup(ctx: SetupContext) -> None:
+    import torch
+
+    _llama(ctx, "diff/train-bf16", 24, with_tokenizer=False, tie_word_embeddings=True,
+           dtype=torch.bfloat16)
+
+
+_TRAIN = {"op": "train", "repo": "diff/train-bf16", "kwargs": {"dtype": "float32"}}
+
+TRAIN = Scenario(
+    "train", (
+        # a converting load (bf16 on disk): the weights sit in the node's shared blob until the
+        # optimizer announces writes; then every rank copies them out and the blob goes
+        {"name": "train", **_TRAIN, "hold": True},
+        # ... while every rank still holds its model
+        {"name": "blob-gone", "op": "blob_handles"},
+        # a view kept across the optimizer's construction must keep seeing the parameter
+        {"name": "train-view", **_TRAIN, "keep_view": "model.embed_tokens.weight"},
+    ), Requests.ONE_PER_CACHE,
+    setup=_train_setup)
+
 # --- two hosts: srun, one task per node, each a torch.multiprocessing.spawn script ---------------
 
 def _srun_setup(ctx: SetupContext) -> None:
@@ -253,7 +275,7 @@ GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
     Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
-                           BIN_ONLY),
+                           TRAIN, BIN_ONLY),
           variants={"shm": {}, "collective": {"PATCHLOAD_TRANSPORT": "collective"}}),
 )
 SCENARIOS = {s.name: (g, s) for g in GROUPS for s in g.scenarios}

@@ -24,9 +24,11 @@ EXAMPLES = REPO_ROOT / "examples"
 NPROC = 2
 RUN_TIMEOUT_S = 120
 
-# (script, repo id, factory name in patchload.testing.models)
+# (script, repo id, factory name in patchload.testing.models[:dtype of the saved weights])
 CASES = [
-    ("train_causal_lm_ddp.py", "tiny/llama", "tiny_llama"),
+    # bf16 on disk, loaded as fp32: the weights go through the node's shared blob, and DDP's
+    # construction must copy them out before its broadcast writes them
+    ("train_causal_lm_ddp.py", "tiny/llama-bf16", "tiny_llama:bfloat16"),
     ("fsdp_t5.py", "tiny/t5", "tiny_t5"),
     ("rank0_first.py", "tiny/llama", "tiny_llama"),
     ("embed_minilm.py", "sentence-transformers/all-MiniLM-L6-v2", "minilm"),
@@ -36,11 +38,17 @@ CASES = [
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """repo id -> folder, written once per module by the tiny-model factories."""
+    import torch
+
     from patchload.testing import models
 
     root = tmp_path_factory.mktemp("repos")
-    return {repo_id: getattr(models, factory)(root / factory)
-            for repo_id, factory in {c[1]: c[2] for c in CASES}.items()}
+    folders = {}
+    for repo_id, factory in {c[1]: c[2] for c in CASES}.items():
+        name, _, dtype = factory.partition(":")
+        kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
+        folders[repo_id] = getattr(models, name)(root / repo_id.replace("/", "--"), **kwargs)
+    return folders
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +87,24 @@ def _plain_sha(script: str, folder: Path) -> str:
     return module.weights_sha256(model)
 
 
-@pytest.mark.timeout(180)
+def _plain_torchrun(hub: LoopbackHub, base: Path, script: str,
+                    repo_id: str) -> dict[int, dict]:
+    env = measure.run_env(endpoint=hub.endpoint, hf_home=base / "hf",
+                          measure_dir=base / "measure", patchload_on=False)
+    run = measure.torchrun(script, EXAMPLES / script, ["--model", repo_id], nproc=NPROC, env=env,
+                           measure_dir=base / "measure", timeout_s=RUN_TIMEOUT_S)
+    assert run.returncode == 0, f"plain torchrun exited {run.returncode}:\n{run.output[-4000:]}"
+    return measure.results(run)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("script,repo_id,factory", CASES, ids=[c[0][:-3] for c in CASES])
 def test_example(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path, script: str,
                  repo_id: str, factory: str) -> None:
     hub.clear_requests()
     env = measure.run_env(endpoint=hub.endpoint, hf_home=tmp_path / "hf",
-                          measure_dir=tmp_path / "measure", patchload_on=True)
+                          measure_dir=tmp_path / "measure", patchload_on=True,
+                          extra={"PATCHLOAD_LOG_LEVEL": "INFO"})
     run = measure.torchrun(script, EXAMPLES / script, ["--model", repo_id], nproc=NPROC, env=env,
                            measure_dir=tmp_path / "measure", timeout_s=RUN_TIMEOUT_S)
     tail = run.output[-4000:]
@@ -100,7 +119,6 @@ def test_example(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path, scr
         assert len({r["embedding_sha256"] for r in results.values()}) == 1
     if script == "rank0_first.py":
         assert len({r["first_loss"] for r in results.values()}) == 1
-
     figures = measure.rank_figures(run)
     assert sorted(figures) == list(range(NPROC)), "a rank left no measurement"
     readers = [r for r, f in figures.items() if f["checkpoint_tensor_bytes"] > 0]
@@ -115,3 +133,10 @@ def test_example(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path, scr
     assert by_rank.get(leader), "the leader made no hub request"
     followers = {r: reqs for r, reqs in by_rank.items() if r is not None and r != leader}
     assert not followers, f"followers made hub requests: {followers}"
+
+    if script == "train_causal_lm_ddp.py":  # last: the plain run adds its own hub requests
+        copied = run.output.count("wrapped in DistributedDataParallel: copied")
+        assert copied == NPROC, f"{copied} ranks copied their weights out before DDP:\n{tail}"
+        plain = _plain_torchrun(hub, tmp_path / "plain", script, repo_id)
+        assert {r: v["losses"] for r, v in results.items()} == \
+            {r: v["losses"] for r, v in plain.items()}, "training differs from a plain run"

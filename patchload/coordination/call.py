@@ -345,12 +345,9 @@ class _Coordinated:
 
 
 def _weights_note(mode: Mode) -> str:
-    received = mode.used.get("received")
-    if received is None:
+    size = mode.used.get("received_bytes")
+    if size is None:
         return ""
-    entries, tensors, skip = received
-    taken = {index for name, _, index, _ in entries if name not in skip}
-    size = sum(tensors[i].numel() * tensors[i].element_size() for i in taken)
     how = {"shm": "mapped", "collective": "received"}.get(
         (mode.payload.get("weights") or {}).get("transport"), "taken")
     return f", {size} bytes of weights {how}"

@@ -161,6 +161,55 @@ def op_model(step: dict[str, Any]) -> dict[str, Any]:
     return obs
 
 
+def blob_handles() -> dict[str, int]:
+    """The mappings and open fds of patchload's shared blobs (memfds) in this process."""
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        mapped = sum("/memfd:patchload" in line for line in maps)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:patchload")
+        except OSError:  # the listing's own fd, closed by now
+            pass
+    return {"mapped": mapped, "fds": fds}
+
+
+def op_train(step: dict[str, Any]) -> dict[str, Any]:
+    """Load, build an SGD optimizer over the parameters (with ``keep_view``: after keeping a view
+    of that parameter), take one step on fixed ids; the weights after it, and (without
+    ``keep_view``) whether this rank still maps a shared blob."""
+    cls = getattr(transformers, step.get("cls", "AutoModelForCausalLM"))
+    model = cls.from_pretrained(step["repo"], **_kwargs(step))
+    view = model.get_parameter(step["keep_view"])[:2] if step.get("keep_view") else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    obs: dict[str, Any] = {}
+    if view is None:  # this rank's own mapping goes at once (its fds are the leader's, later)
+        obs["mapped_after_optimizer"] = blob_handles()["mapped"]
+    ids = torch.arange(12).reshape(1, 12) % model.config.vocab_size
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    obs.update(loss=loss.item(), fingerprint=jsonable(_common.fingerprint(model)))
+    if view is not None:
+        obs["view"] = view.tolist()
+    if step.get("hold"):
+        _HELD.append(model)
+    return obs
+
+
+_HELD: list[Any] = []  # models a "train" step with "hold" keeps alive until "blob_handles"
+
+
+def op_blob_handles(step: dict[str, Any]) -> dict[str, Any]:
+    """``blob_handles()`` once both are 0 on this rank, or after ``wait_s`` seconds."""
+    deadline = time.monotonic() + float(step.get("wait_s", 10.0))
+    while any(blob_handles().values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    handles = blob_handles()
+    _HELD.clear()
+    return {"handles": handles}
+
+
 def op_config(step: dict[str, Any]) -> dict[str, Any]:
     config = transformers.AutoConfig.from_pretrained(step["repo"], **_kwargs(step))
     return {"class": type(config).__name__, "config": jsonable(config.to_dict())}
@@ -207,7 +256,8 @@ def op_snapshot_download(step: dict[str, Any]) -> dict[str, Any]:
 OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "model": op_model, "config": op_config, "generation_config": op_generation_config,
     "tokenizer": op_tokenizer, "hf_hub_download": op_hf_hub_download,
-    "thread_pool": op_thread_pool, "snapshot_download": op_snapshot_download}
+    "thread_pool": op_thread_pool, "snapshot_download": op_snapshot_download,
+    "train": op_train, "blob_handles": op_blob_handles}
 
 
 # --- running a step -----------------------------------------------------------------------------
