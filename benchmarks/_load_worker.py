@@ -1,5 +1,7 @@
 """One rank of ``benchmarks/bench_load.py``: import, wait for "go", load, measure, report.
 
+With ``--tokenizer`` the timed load is the repo's tokenizer, then its model.
+
 Run under torchrun by the benchmark (with ``demo/site/sitecustomize.py`` injected). Protocol,
 through files in ``--sync-dir``: write ``imported-RANK`` once the libraries are imported, wait for
 ``go`` (the benchmark takes its memory baseline in between), load, write ``loaded-RANK``, wait
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import patchload  # noqa: F401  - PATCHLOAD=0 turns it off
 
@@ -42,6 +44,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], required=True)
     parser.add_argument("--sync-dir", type=Path, required=True)
+    parser.add_argument("--tokenizer", action="store_true",
+                        help="load the repo's tokenizer first (timed with the model)")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     sync = args.sync_dir
@@ -57,6 +61,8 @@ def main() -> None:
     touch(sync / f"imported-{rank}")
     wait_for([sync / "go"])
     start = time.time()
+    if args.tokenizer:
+        AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     ready = time.time()
     touch(sync / f"loaded-{rank}")

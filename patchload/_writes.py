@@ -76,9 +76,7 @@ class MappedModels:
             by_ptr = {m.storage_ptr: m for m in self._mapped}
         hit: list[_Mapped] = []
         for tensor in tensors:
-            if tensor.device.type != "cpu":
-                continue
-            mapped = by_ptr.get(tensor.untyped_storage().data_ptr())
+            mapped = by_ptr.get(_storage_ptr(tensor))
             if mapped is not None and mapped not in hit:
                 hit.append(mapped)
         for mapped in hit:
@@ -97,6 +95,17 @@ class MappedModels:
                                mapped.prefix, why, type(err).__name__, err)
 
 
+def _storage_ptr(tensor: Any) -> int | None:
+    """The data pointer of a dense CPU tensor's storage; None for any other tensor (meta, a
+    device, sparse, a DTensor or other wrapper subclass: none of them views a blob)."""
+    import torch
+
+    if (type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu"
+            or tensor.layout != torch.strided):
+        return None
+    return tensor.untyped_storage().data_ptr()
+
+
 def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
     import torch
 
@@ -104,8 +113,7 @@ def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
     views: list[torch.Tensor] = []
     for _, tensor in list(model.named_parameters(remove_duplicate=False)) + list(
             model.named_buffers(remove_duplicate=False)):
-        if (id(tensor) not in seen and tensor.device.type == "cpu"
-                and tensor.untyped_storage().data_ptr() == mapped.storage_ptr):
+        if id(tensor) not in seen and _storage_ptr(tensor) == mapped.storage_ptr:
             seen.add(id(tensor))
             views.append(tensor)
     if not views:
