@@ -52,7 +52,7 @@ def main() -> None:
 
     # Import what from_pretrained would import lazily, so the baseline holds every library.
     import transformers.models.llama.modeling_llama  # noqa: F401
-    import patchload._broadcast  # noqa: F401
+    import patchload.transport.job_collective  # noqa: F401
     import patchload._load  # noqa: F401
     import patchload.transport.collective  # noqa: F401
     import patchload.transport.shm  # noqa: F401
@@ -83,7 +83,8 @@ def main() -> None:
     wait_for([sync / f"hashed-{r}" for r in range(world)])
     pss = psutil.Process().memory_full_info().pss
     print("RESULT " + json.dumps({
-        "rank": rank, "start": start, "ready_at": ready, "load_s": ready - start, "pss": pss, "pss_before": pss_before,
+        "rank": rank, "start": start, "ready_at": ready, "load_s": ready - start, "pss": pss,
+        "pss_before": pss_before,
         "loaded_bytes": loaded_bytes, "weights_sha256": digest.hexdigest()}), flush=True)
     touch(sync / f"done-{rank}")
     wait_for([sync / f"done-{r}" for r in range(world)])

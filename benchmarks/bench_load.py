@@ -153,7 +153,8 @@ def _row(what: str, nproc: int, mode: str, runs: list[dict[str, Any]],
     same = all(r["sha"] == plain_sha for r in ok) if plain_sha is not None else True
     last = ok[-1]
     return [
-        what, nproc, mode, f"{ready:.2f} s" + ("" if plain is None else _ratio(ready, plain["ready"])),
+        what, nproc, mode,
+        f"{ready:.2f} s" + ("" if plain is None else _ratio(ready, plain["ready"])),
         f"{peak:.2f}x" + ("" if plain is None else _ratio(peak, plain["peak"])),
         f"{pss:.2f}x",
         f"{statistics.median(lags) * 1000:.0f} ms" if lags and mode != "plain" else "-",

@@ -2,15 +2,17 @@
 
 Wraps ``PreTrainedModel.from_pretrained`` (and the Auto model classes); :mod:`patchload._diffusers`
 reuses the same wrapper and steps for diffusers' ``ModelMixin``. The leader runs the original
-call, then shares every parameter and buffer (persistent or not) through a transport and
-publishes where they are. Followers run the same original call from the cache, so configuration,
-dtype resolution, the meta-device skeleton, tying, ``eval()``, generation config and
-``hf_device_map`` all come from transformers itself; only ``_load_pretrained_model`` (the step
+call, then shares every parameter and buffer (persistent or not) through a transport (the
+Protocol of :mod:`patchload.transport.base`: shared memory inside a node, a broadcast across
+nodes) and publishes where they are. Followers run the same original call from the cache, so
+configuration, dtype resolution, the meta-device skeleton, tying, ``eval()``, generation config
+and ``hf_device_map`` all come from transformers itself; only ``_load_pretrained_model`` (the step
 that reads checkpoint files) is replaced by assembling the leader's tensors. The leader announces
 when it reaches that step (every file is in the cache by then), so followers build their
 skeleton while it loads and wait for its tensors only there. At the end every
 follower parameter and buffer is re-pointed at the leader's bytes, so the model equals a plain
-load bitwise.
+load bitwise. Building ``DistributedDataParallel`` or an optimizer over such weights first
+copies them out of the shared memory (:mod:`patchload._writes`).
 
 Steps aside (downloads still coordinated, weights loaded plainly, one INFO line says why) where a
 broadcast is unsafe or pointless: ``PATCHLOAD_BROADCAST=0``, DeepSpeed ZeRO-3, a ``device_map``
@@ -20,7 +22,6 @@ other than the CPU, quantized loads, tensor parallelism, GGUF files, a user ``st
 from __future__ import annotations
 
 import contextvars
-import ctypes
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Final
@@ -28,11 +29,12 @@ from typing import TYPE_CHECKING, Any, Callable, Final
 from . import _state
 from ._compat import describe_loading_info, initialized_by_follower, loaded_from_leader
 from ._patching import Patch
-from ._shares import OpenShares
-from ._writes import MappedModels
+from ._tensors import entries_of, named_tensors, owner
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
+from .transport.job_collective import CollectiveWeights
+from .transport.node_shm import ShmWeights
 
 if TYPE_CHECKING:
     import torch
@@ -51,12 +53,11 @@ _UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size
 # leader first (its collectives would wait for followers that wait for it).
 _COLLECTIVE_KWARGS: Final = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
 _CPU_MAPS: Final = (None, "cpu", {"": "cpu"})
-_TRIM_EVERY_BYTES: Final = 16 * 2**20
 
-# The blobs this process shares as a node leader, kept open for its followers.
-_SHARES: Final = OpenShares()
-# The loaded models of this process that map a shared blob, until their weights are written.
-_MAPPED: Final = MappedModels()
+# The transports, by the name a leader publishes with its weights; each holds its own state
+# (the shm one: this process's open blobs and the models that map one).
+_SHM: Final = ShmWeights()
+_TRANSPORTS: Final[dict[str, Any]] = {t.name: t for t in (_SHM, CollectiveWeights())}
 # True inside a from_pretrained that runs on every rank at once (collective construction).
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("patchload_alone", default=False)
 
@@ -99,48 +100,10 @@ def _post_load_reason(model: torch.nn.Module) -> str | None:
     if getattr(model, "hf_quantizer", None) is not None or getattr(
             model.config, "quantization_config", None) is not None:
         return "the checkpoint is quantized"
-    for name, tensor in _named_tensors(model):
+    for name, tensor in named_tensors(model):
         if tensor.device.type != "cpu":
             return f"{name} is on {tensor.device}, not the CPU"
     return None
-
-
-def _named_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
-    return (list(model.named_parameters(remove_duplicate=False))
-            + list(model.named_buffers(remove_duplicate=False)))
-
-
-def _entries(model: Any) -> tuple[list[list[Any]], list[torch.Tensor]]:
-    """``[name, kind, index, requires_grad]`` per parameter/buffer name, and the unique tensors
-    (a tied tensor appears once; its names share the index)."""
-    index_of: dict[int, int] = {}
-    unique: list[torch.Tensor] = []
-    entries: list[list[Any]] = []
-    for kind, named in (("param", model.named_parameters(remove_duplicate=False)),
-                        ("buffer", model.named_buffers(remove_duplicate=False))):
-        for name, tensor in named:
-            if id(tensor) not in index_of:
-                index_of[id(tensor)] = len(unique)
-                unique.append(tensor)
-            entries.append([name, kind, index_of[id(tensor)], bool(tensor.requires_grad)])
-    return entries, unique
-
-
-def _owner(model: Any, name: str) -> tuple[Any, str]:
-    module_path, _, attribute = name.rpartition(".")
-    return (model.get_submodule(module_path) if module_path else model), attribute
-
-
-def _repoint(model: Any, entries: list[list[Any]], index: int, tensor: torch.Tensor) -> None:
-    """Make the leader's own tensor ``index`` a view of its shared copy (same bytes)."""
-    for name, kind, i, _ in entries:
-        if i != index:
-            continue
-        module, attribute = _owner(model, name)
-        if kind == "param":
-            module._parameters[attribute].data = tensor
-            return  # one Parameter object serves every tied name
-        module._buffers[attribute] = tensor
 
 
 def _share(result: Any, call: Call, mode: Mode
@@ -156,53 +119,15 @@ def _share(result: Any, call: Call, mode: Mode
         logger.info("%s: not sharing weights: %s; followers load them plainly",
                     call.prefix(), reason)
         return {"weights": None, "reason": reason}, None
-    from ._broadcast import share_collective
-    from .transport import shm
-
-    entries, unique = _entries(model)
+    # A job-scope load is a broadcast: to every rank, or to the other nodes' leaders.
+    transport = _TRANSPORTS["collective" if call.scope == "job" else "shm"]
+    entries, unique = entries_of(model)
     info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "headers": mode.used.get("headers", {}),
-            "loading_info": mode.used.get("loading_info")}
-    if call.scope == "job":  # a broadcast: to every rank, or to the other nodes' leaders
-        payload, after = share_collective(call, unique)
-        info.update(transport="collective", **payload)
-        return {"weights": info}, after
-    shared_bytes = sum(t.numel() * t.element_size() for t in unique)
-    pending = [t.detach() for t in unique]
-    del unique  # from here on `pending` holds the only extra references to the originals
-
-    freed_bytes = 0
-
-    def on_shared(index: int, replacement: torch.Tensor) -> None:
-        nonlocal freed_bytes
-        _repoint(model, entries, index, replacement)
-        pending[index] = replacement  # the private original is freed here, one at a time
-        freed_bytes += replacement.numel() * replacement.element_size()
-        if freed_bytes >= _TRIM_EVERY_BYTES:  # hand freed heap back as we go: lower peak
-            _trim_heap()
-            freed_bytes = 0
-
-    descriptor, _ = shm.share(pending, on_shared=on_shared)
-    _trim_heap()
-    info.update(transport="shm", descriptor=descriptor)
-    if descriptor.get("fd") is not None:  # followers open the blob through this process
-        _SHARES.add(call, descriptor, model)
-        _MAPPED.add(model, _blob_storage({"transport": "shm", "descriptor": descriptor},
-                                         pending),
-                    f"{call.prefix()} {call.what}",
-                    on_unmapped=lambda: _SHARES.unmapped(descriptor))
-    logger.info("%s: shared %d tensors (%d bytes) with this node's ranks", call.prefix(),
-                len(entries), shared_bytes)
-    return {"weights": info}, None
-
-
-def _trim_heap() -> None:
-    """Give freed heap pages back to the OS (glibc keeps freed tensor memory otherwise, and the
-    leader would hold its private copy and the blob at once)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+            "loading_info": mode.used.get("loading_info"), "transport": transport.name}
+    payload, after = transport.share(call, model, entries, unique)
+    info.update(payload)
+    return {"weights": info}, after
 
 
 def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
@@ -215,7 +140,7 @@ def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
     for name, kind, index, requires_grad in entries:
         if name in skip:
             continue
-        module, attribute = _owner(model, name)
+        module, attribute = owner(model, name)
         if kind == "param":
             if index not in params:
                 params[index] = torch.nn.Parameter(tensors[index], requires_grad=requires_grad)
@@ -239,7 +164,7 @@ def _check_structure(model: Any, entries: list[list[Any]], metas: list[Any],
     Raises:
         VerificationFailed: a name or shape differs.
     """
-    mine = dict(_named_tensors(model))
+    mine = dict(named_tensors(model))
     theirs = {e[0] for e in entries}
     if set(mine) != theirs:
         extra = sorted(set(mine) ^ theirs)[:3]
@@ -253,10 +178,10 @@ def _check_structure(model: Any, entries: list[list[Any]], metas: list[Any],
 
 
 def receive(mode: Mode, model: Any) -> bool:
-    """Follower, in place of the checkpoint-reading step: put the leader's tensors (shared
-    memory or collective, as the leader published) into ``model``, whose parameters may be on
-    the meta device, but those the leader initialised rather than read (missing keys): transformers
-    initialises them on this rank afterwards, as in a plain load.
+    """Follower, in place of the checkpoint-reading step: put the leader's tensors (through the
+    transport the leader published) into ``model``, whose parameters may be on the meta device,
+    but those the leader initialised rather than read (missing keys): transformers initialises
+    them on this rank afterwards, as in a plain load.
 
     Returns False (and changes nothing) when there are no weights to receive or they cannot be
     had (a leader that is gone, not a broadcast member, an attach that fails; logged as a
@@ -269,53 +194,37 @@ def receive(mode: Mode, model: Any) -> bool:
     weights = mode.payload.get("weights")
     if not weights or "received" in mode.used:
         return False
-    from .transport import TensorMeta, TransportError, meta_of, shm
+    from .transport import meta_of
 
+    transport = _TRANSPORTS[weights["transport"]]
     entries = weights["entries"]
-    if weights["transport"] == "collective":
-        # A member joins the broadcast before anything else: the others wait for every member.
-        tensors = _join_broadcast(mode, weights)
-        verify_so_far(mode)
-        skip = initialized_by_follower(weights.get("loading_info") or {})
-        if tensors is None or skip is None:  # not a member, or a broken broadcast: load plainly
-            return False
-        _check_structure(model, entries, [TensorMeta.from_json(m) for m in weights["metas"]],
-                         skip)
-    else:
-        verify_so_far(mode)
-        skip = initialized_by_follower(weights.get("loading_info") or {})
-        if skip is None:  # this transformers line initialises them inside the replaced step
-            return False
-        try:
-            tensors = shm.attach(weights["descriptor"])
-        except TransportError as err:
-            logger.warning("%s: cannot map the leader's shared weights (%s): loading this rank's "
-                           "weights from the checkpoint", mode.call.prefix(), err)
-            return False
-        _check_structure(model, entries, [meta_of(t) for t in tensors], skip)
+    tensors = None
+    if transport.collective:  # a member joins before anything else: the others wait for it
+        tensors = transport.receive(mode.call, weights, mode.used)
+    verify_so_far(mode)
+    skip = initialized_by_follower(weights.get("loading_info") or {})
+    if skip is None:  # this transformers line initialises them inside the replaced step
+        return False
+    if not transport.collective:
+        tensors = transport.receive(mode.call, weights, mode.used)
+    if tensors is None:  # not a member, a broken broadcast, a failed attach: load plainly
+        return False
+    _check_structure(model, entries, [meta_of(t) for t in tensors], skip)
     _assemble(model, entries, tensors, skip)
     mode.used["received"] = (entries, tensors, skip)
     taken = {index for name, _, index, _ in entries if name not in skip}
     mode.used["received_bytes"] = sum(tensors[i].numel() * tensors[i].element_size()
                                       for i in taken)
+    mode.used["received_how"] = transport.verb
     return True
 
 
-def _join_broadcast(mode: Mode, weights: dict[str, Any]) -> list[torch.Tensor] | None:
-    """Follower: receive the leader's broadcast once (None: not a member, or it broke)."""
-    from ._broadcast import receive_collective
-
-    if "joined" not in mode.used:
-        mode.used["joined"] = receive_collective(weights)
-    return mode.used["joined"]
-
-
 def _abandon(mode: Mode) -> None:
-    """Follower giving up on the leader's result: still take part in its broadcast if this
-    rank is a member (the leader and the other members wait for every member)."""
+    """Follower giving up on the leader's result: its transport may still need it (a broadcast
+    member: the leader and the other members wait for every member)."""
     weights = (mode.payload.get("weights") or {}) if mode.payload_of is not None else {}
-    if weights.get("transport") == "collective":
-        _join_broadcast(mode, weights)
+    if weights.get("transport") in _TRANSPORTS:
+        _TRANSPORTS[weights["transport"]].abandon(mode.call, weights, mode.used)
 
 
 def _settle(result: Any, mode: Mode) -> Any:
@@ -328,29 +237,16 @@ def _settle(result: Any, mode: Mode) -> Any:
         for name, kind, index, _ in entries:
             if name in skip:
                 continue
-            module, attribute = _owner(model, name)
+            module, attribute = owner(model, name)
             if kind == "buffer":
                 module._buffers[attribute] = tensors[index]
             elif module._parameters[attribute].data.data_ptr() != tensors[index].data_ptr():
                 module._parameters[attribute].data = tensors[index]
-        blob = _blob_storage(mode.payload["weights"], tensors)
-        if blob is not None:
-            _MAPPED.add(model, blob, f"{mode.call.prefix()} {mode.call.what}")
-        # The model holds them now; no other reference may pin the mapping (see _writes).
+        weights = mode.payload["weights"]
+        _TRANSPORTS[weights["transport"]].settle(mode.call, model, weights, tensors)
+        # The model holds them now; no other reference may pin a mapping (see _writes).
         mode.used["received"] = None
     return result
-
-
-def _blob_storage(weights: dict[str, Any], tensors: list[torch.Tensor]
-                  ) -> torch.UntypedStorage | None:
-    """This rank's mapping of the shared blob, when ``tensors`` (in the order of the
-    descriptor's entries) are views of one."""
-    if weights.get("transport") != "shm":
-        return None
-    for entry, tensor in zip(weights["descriptor"]["tensors"], tensors):
-        if entry["kind"] == "blob":
-            return tensor.untyped_storage()
-    return None
 
 
 def checkpoint_header(mode: Mode, checkpoint_file: Any,
@@ -406,8 +302,6 @@ def from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     mode = current_mode()
     if mode is not None and mode.loads_model:  # e.g. the model class's call inside an Auto call
         return coordinated(name, wrapped, args, kwargs, what=what)
-    if _SHARES:
-        _SHARES.release_finished()
     if _ALONE.get():  # the model class's call inside an Auto call that stepped aside
         return wrapped(*args, **kwargs)
     reason, collective = _step_aside_reason(kwargs)
@@ -507,8 +401,8 @@ def _before_ddp(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...
     """``DistributedDataParallel.__init__``: its broadcast writes every parameter and buffer of
     the module on ranks other than 0, and training follows (see :mod:`patchload._writes`)."""
     module = args[0] if args else kwargs.get("module")
-    if _MAPPED and module is not None:
-        _MAPPED.before_writes(_tensors_of(module), "wrapped in DistributedDataParallel")
+    if _SHM.mapped and module is not None:
+        _SHM.mapped.before_writes(_tensors_of(module), "wrapped in DistributedDataParallel")
     return wrapped(*args, **kwargs)
 
 
@@ -517,9 +411,9 @@ def _after_param_group(wrapped: Callable[..., Any], instance: Any, args: tuple[A
     """``Optimizer.add_param_group``: its step will write the group's parameters that require
     a gradient (see :mod:`patchload._writes`)."""
     result = wrapped(*args, **kwargs)
-    if _MAPPED and instance.param_groups:
+    if _SHM.mapped and instance.param_groups:
         trained = [p for p in instance.param_groups[-1]["params"] if p.requires_grad]
-        _MAPPED.before_writes(trained, f"given to {type(instance).__name__}")
+        _SHM.mapped.before_writes(trained, f"given to {type(instance).__name__}")
     return result
 
 

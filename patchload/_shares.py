@@ -1,19 +1,16 @@
 """The shared-memory blobs a node leader keeps open for its followers, and when each is closed.
 
 A follower maps the leader's blob through the leader's open fd (``/proc/<pid>/fd``), so the
-leader keeps it open after its load. It is closed (and its memory goes with the leader's last
-mapping of it):
-
-* once the leader's model no longer maps it (``del model`` and a garbage collection, or its
-  weights copied out before being written: :mod:`patchload._writes`) and every follower that
-  arrived at the call is done with it (or its process is gone; a thread of the leader waits
-  for them, at most ``PATCHLOAD_EXIT_WAIT`` seconds);
-* at the leader's next ``from_pretrained``, once its followers are done, the ranks of the node
-  that have not reached the call counted for ``_LATE_S`` seconds after the share (a follower
-  reaches a nested call only after its enclosing call);
-* at exit, after waiting (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that
-  arrived. A rank that has not reached the call by then never pins the leader's exit: when it
-  does, it finds the blob gone and loads from the cache the leader filled (with a warning).
+leader keeps it open while its own model maps the blob (closing it then would free nothing: the
+mapping keeps the blob alive) and a rank of its node may still come. Once the leader's tensors
+no longer map it (``del model`` and a garbage collection, the model moved to a device or
+sharded, its weights copied out before being written: :mod:`patchload._writes`), the fd is
+closed as soon as every follower that arrived at the call is done with it (or its process is
+gone); from then on the blob lives only as long as some follower's tensors map it. A thread of
+the leader watches its mappings (no store request while they live); at exit the leader waits
+(at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived, then closes
+every blob. A rank that reaches the call after its blob is closed loads from the cache the
+leader filled (with a warning).
 """
 
 from __future__ import annotations
@@ -23,25 +20,28 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
 from .coordination.followers import pending_followers, wait_followers_done
 from .coordination.protocol import Call
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["OpenShares"]
 
 logger = logging.getLogger(__name__)
 
-_LATE_S: Final = 5.0
+_WATCH_S: Final = 0.5  # how often the leader's mappings are looked at (no store request)
 
 
 @dataclass(eq=False)
 class _Share:
     call: Call
     descriptor: dict[str, Any]
-    shared_at: float = field(default_factory=time.monotonic)
-    unmapped: bool = False  # the leader's model no longer maps the blob (freed or copied)
+    mapping: Any  # StorageWeakRef of the leader's own mapping of the blob
+    unmapped: bool = False  # the leader's tensors no longer map the blob
 
 
 class OpenShares:
@@ -51,32 +51,35 @@ class OpenShares:
         self._shares: list[_Share] = []
         self._lock = threading.RLock()  # a finalizer may run inside a locked block (GC)
         self._exit_hooked = False
+        self._watching = False
 
-    def add(self, call: Call, descriptor: dict[str, Any], model: Any) -> None:
-        """Keep the blob of ``descriptor`` (shared for ``call``) open for the followers; it is
-        released once ``model`` is freed and they are done (see the module docstring)."""
-        share = _Share(call, descriptor)
+    def add(self, call: Call, descriptor: dict[str, Any], model: Any,
+            mapping: torch.UntypedStorage) -> None:
+        """Keep the blob of ``descriptor`` (shared for ``call``; ``model``'s tensors are views
+        of ``mapping``, the leader's own mapping of it) open while a rank of the node may need
+        it (see the module docstring). Not collective."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        share = _Share(call, descriptor, StorageWeakRef(mapping))
         with self._lock:
             if not self._exit_hooked:
                 atexit.register(self.release_at_exit)
                 self._exit_hooked = True
             self._shares.append(share)
+            if not self._watching:
+                self._watching = True
+                threading.Thread(target=self._watch, daemon=True,
+                                 name="patchload-shares").start()
         finalizer = weakref.finalize(model, self._unmapped, share)
         finalizer.atexit = False  # at exit, release_at_exit waits for the followers first
 
-    def __bool__(self) -> bool:
-        return bool(self._shares)
-
-    def release_finished(self) -> None:
-        """Close the blobs whose followers on this node are all done with them (or dead). Not
-        collective; never waits."""
+    def unmapped(self, descriptor: dict[str, Any]) -> None:
+        """The leader's model no longer maps the blob of ``descriptor`` (its weights were copied
+        out before being written): close it once the followers that arrived are done."""
         with self._lock:
-            shares = list(self._shares)
-        now = time.monotonic()
+            shares = [s for s in self._shares if s.descriptor is descriptor]
         for share in shares:
-            arrived_only = share.unmapped or now - share.shared_at > _LATE_S
-            if not pending_followers(share.call, arrived_only=arrived_only):
-                self._release(share)
+            self._unmapped(share)
 
     def release_at_exit(self) -> None:
         """Wait (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived
@@ -89,37 +92,30 @@ class OpenShares:
             wait_followers_done(share.call, max(0.0, share.call.config.exit_wait_s - elapsed))
             self._release(share)
 
-    def unmapped(self, descriptor: dict[str, Any]) -> None:
-        """The leader's model no longer maps the blob of ``descriptor`` (its weights were copied
-        out before being written): close it once the followers that arrived are done."""
-        with self._lock:
-            shares = [s for s in self._shares if s.descriptor is descriptor]
-        for share in shares:
-            self._unmapped(share)
+    def _watch(self) -> None:
+        """Until no blob is open: notice a leader mapping that went (a model moved to a device,
+        sharded, freed) and close its blob once the followers that arrived are done."""
+        while True:
+            with self._lock:
+                shares = list(self._shares)
+                if not shares:
+                    self._watching = False
+                    return
+            for share in shares:
+                if share.unmapped or share.mapping.expired():
+                    self._unmapped(share)
+            time.sleep(_WATCH_S)
 
     def _unmapped(self, share: _Share) -> None:
         share.unmapped = True
         try:
             pending = pending_followers(share.call, arrived_only=True)
-        except Exception as err:  # noqa: BLE001 - maybe in a finalizer: released later instead
-            logger.debug("%s: checking the followers of an unmapped blob failed: %s",
+        except Exception as err:  # noqa: BLE001 - maybe in a finalizer: tried again later
+            logger.debug("%s: checking the followers of a shared blob failed: %s",
                          share.call.prefix(), err)
             return
         if not pending:
             self._release(share)
-            return
-        # Followers still attaching: close it once they are done, without holding up this rank.
-        threading.Thread(target=self._release_when_done, args=(share,), daemon=True,
-                         name="patchload-release").start()
-
-    def _release_when_done(self, share: _Share) -> None:
-        try:
-            wait_followers_done(share.call, share.call.config.exit_wait_s,
-                                before="closing the shared blob")
-        except Exception as err:  # noqa: BLE001 - released at the next load or at exit
-            logger.debug("%s: waiting for the followers failed: %s", share.call.prefix(), err)
-            return
-        self._release(share)
 
     def _release(self, share: _Share) -> None:
         from .transport import shm
@@ -130,4 +126,4 @@ class OpenShares:
             self._shares.remove(share)
         shm.release(share.descriptor)
         logger.debug("%s: closed the shared blob (followers done%s)", share.call.prefix(),
-                     ", model freed or copied out" if share.unmapped else "")
+                     ", leader's tensors unmapped" if share.unmapped else "")

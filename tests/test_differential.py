@@ -12,7 +12,8 @@ worker ``tests/workers/differential.py``. Three jobs hold every scenario of issu
   retry, hub calls from worker threads, a new head with per-rank and with equal seeds, a
   ``config=`` whose ``repr()`` raises, ``./ckpt`` in a different working directory per rank
   (each its own checkpoint), an optimizer step on a converting load (the shared copy is given
-  up before the writes; a view kept across it still sees them), and a ``.bin``-only repo (last: transformers' auto-conversion
+  up before the writes; a view kept across it still sees them; a model moved to another dtype
+  frees it), and a ``.bin``-only repo (last: transformers' auto-conversion
   thread outlives the call).
 
 Each group runs plain twice (``test_two_plain_runs_agree``: the harness is deterministic, so a
@@ -248,6 +249,9 @@ TRAIN = Scenario(
         {"name": "blob-gone", "op": "blob_handles"},
         # a view kept across the optimizer's construction must keep seeing the parameter
         {"name": "train-view", **_TRAIN, "keep_view": "model.embed_tokens.weight"},
+        # weights moved out of the loaded tensors (as to a GPU) free the node's shared copy
+        {"name": "to-half", **_TRAIN, "op": "model_to", "to": "float16"},
+        {"name": "blob-gone-after-to", "op": "blob_handles"},
     ), Requests.ONE_PER_CACHE,
     setup=_train_setup)
 

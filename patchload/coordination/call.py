@@ -348,9 +348,7 @@ def _weights_note(mode: Mode) -> str:
     size = mode.used.get("received_bytes")
     if size is None:
         return ""
-    how = {"shm": "mapped", "collective": "received"}.get(
-        (mode.payload.get("weights") or {}).get("transport"), "taken")
-    return f", {size} bytes of weights {how}"
+    return f", {size} bytes of weights {mode.used.get('received_how', 'taken')}"
 
 
 def _leader_succeeded(mode: Mode) -> bool:

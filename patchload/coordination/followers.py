@@ -90,17 +90,15 @@ def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, 
         time.sleep(0.05)
 
 
-def wait_followers_done(call: Call, timeout_s: float, *, before: str = "exiting") -> None:
+def wait_followers_done(call: Call, timeout_s: float) -> None:
     """Leader: wait until every follower that arrived at ``call`` is done with it (or dead).
 
-    Bounded by ``timeout_s`` seconds; logs what it waits for. Used before a leader exits, or
-    closes something only its process holds (a shared-memory blob), while followers may still
-    need it.
+    Bounded by ``timeout_s`` seconds; logs what it waits for. Used before a leader exits while
+    followers may still need something only its process holds (a shared-memory blob).
 
     Args:
         call: a call this rank leads.
         timeout_s: the most this waits, in seconds.
-        before: what the leader does once they are done, for the log line.
     """
     deadline = time.monotonic() + timeout_s
     logged = False
@@ -109,8 +107,7 @@ def wait_followers_done(call: Call, timeout_s: float, *, before: str = "exiting"
         if not pending:
             return
         if not logged:
-            logger.info("%s: before %s, waiting up to %.0f s for ranks %s to take the "
-                        "shared weights", call.prefix(), before, deadline - time.monotonic(),
-                        pending)
+            logger.info("%s: before exiting, waiting up to %.0f s for ranks %s to take the "
+                        "shared weights", call.prefix(), deadline - time.monotonic(), pending)
             logged = True
         time.sleep(0.05)

@@ -1,19 +1,21 @@
 """How tensor bytes move from a leader to its followers.
 
-Two backends, one module each, each with a leader role and a follower role:
+:mod:`patchload.transport.base` states the transport Protocol that :mod:`patchload._load`
+dispatches on; one backend per module implements it, each holding its own state:
 
-- :mod:`patchload.transport.shm` (``share`` / ``attach``, neither collective): inside one
-  node. The node leader writes the tensors into one sealed memfd blob (or points at the
-  checkpoint file it already maps); local followers map it copy-on-write, so the node holds one
-  physical copy.
-- :mod:`patchload.transport.collective` (``private_group`` + ``broadcast``, collective over
-  the group): across nodes or into GPU memory. Bucketed broadcasts over a private process
-  group built from a store, never on the default group.
+- :mod:`patchload.transport.node_shm` (``"shm"``): inside one node, over the byte mover
+  :mod:`patchload.transport.shm` (``share`` / ``attach``, neither collective). The node leader
+  writes the tensors into one sealed memfd blob (or points at the checkpoint file it already
+  maps); local followers map it copy-on-write, so the node holds one physical copy.
+- :mod:`patchload.transport.job_collective` (``"collective"``): across nodes, over the byte mover
+  :mod:`patchload.transport.collective` (``private_group`` + ``broadcast``, collective over the
+  group). Bucketed broadcasts over a private process group built from a store, never on the
+  default group.
 
-These modules move bytes only. The caller hands them an ordered list of unique tensors (tied
-weights already deduplicated) and carries their JSON-able description (:class:`TensorMeta`, the shm
-descriptor) through a ``torch.distributed.Store`` itself. Nothing read from a store or a blob is
-ever unpickled.
+The byte movers move bytes only. The caller hands them an ordered list of unique tensors (tied
+weights already deduplicated) and carries their JSON-able description (:class:`TensorMeta`, the
+shm descriptor) through a ``torch.distributed.Store`` itself. Nothing read from a store or a blob
+is ever unpickled.
 
 This package imports no torch at import time; the backends do.
 """

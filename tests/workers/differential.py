@@ -200,6 +200,16 @@ def op_train(step: dict[str, Any]) -> dict[str, Any]:
 _HELD: list[Any] = []  # models a "train" step with "hold" keeps alive until "blob_handles"
 
 
+def op_model_to(step: dict[str, Any]) -> dict[str, Any]:
+    """Load, then ``model.to(step["to"])`` (a dtype name: the weights leave the loaded
+    tensors, as with a move to a GPU); the weights after it. The model stays alive until the
+    next ``blob_handles``."""
+    cls = getattr(transformers, step.get("cls", "AutoModelForCausalLM"))
+    model = cls.from_pretrained(step["repo"], **_kwargs(step)).to(_dtype(step["to"]))
+    _HELD.append(model)
+    return {"fingerprint": jsonable(_common.fingerprint(model))}
+
+
 def op_blob_handles(step: dict[str, Any]) -> dict[str, Any]:
     """``blob_handles()`` once both are 0 on this rank, or after ``wait_s`` seconds."""
     deadline = time.monotonic() + float(step.get("wait_s", 10.0))
@@ -257,7 +267,7 @@ OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "model": op_model, "config": op_config, "generation_config": op_generation_config,
     "tokenizer": op_tokenizer, "hf_hub_download": op_hf_hub_download,
     "thread_pool": op_thread_pool, "snapshot_download": op_snapshot_download,
-    "train": op_train, "blob_handles": op_blob_handles}
+    "train": op_train, "model_to": op_model_to, "blob_handles": op_blob_handles}
 
 
 # --- running a step -----------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""Weights by collective broadcast: who joins, and the send.
+"""Weights by collective broadcast (the ``"collective"`` transport): who joins, and the send.
 
 Used for every rank under ``PATCHLOAD_TRANSPORT=collective``, and between node leaders when the
 nodes share one hub cache (the job leader reads, the node leaders receive and share in their node).
 
 The leader never blocks in a collective that followers do not join: once it has loaded, it waits
-at most ``PATCHLOAD_ARRIVAL_WINDOW`` seconds for the ranks of its scope to arrive at the same call key, publishes
-the members it saw, and broadcasts to exactly those over a private gloo group built from the store
+at most ``PATCHLOAD_ARRIVAL_WINDOW`` seconds for the ranks of its scope to arrive at the same call
+key, publishes the members it saw, and broadcasts to exactly those over a private gloo group built from the store
 (never the user's process group). A rank that arrives later is not a member: it loads plainly from
 the cache. So does a member whose broadcast fails (the leader or another member died mid-way,
 which gloo reports at once as a closed connection): the leader published its outcome only after
@@ -18,17 +18,17 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import _state
-from .coordination.followers import gone_ranks
-from .coordination.identity import process_alive
-from .coordination.protocol import Call
-from .coordination.store import job_store
-from ._topology import current_topology
+from .. import _state
+from .._topology import current_topology
+from ..coordination.followers import gone_ranks
+from ..coordination.identity import process_alive
+from ..coordination.protocol import Call
+from ..coordination.store import job_store
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["share_collective", "receive_collective"]
+__all__ = ["CollectiveWeights", "share_collective", "receive_collective"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def share_collective(call: Call, tensors: list[torch.Tensor]
     Returns:
         The payload (``members``: global ranks, leader first; ``metas``; ``key``) and the send.
     """
-    from .transport import meta_of
+    from . import meta_of
 
     topology = call.topology
     expected = (topology.world_size if _state.config().transport == "collective"
@@ -67,7 +67,7 @@ def share_collective(call: Call, tensors: list[torch.Tensor]
                "key": call.key}
 
     def send() -> None:
-        from .transport.collective import broadcast, private_group
+        from .collective import broadcast, private_group
 
         if len(members) == 1:
             return
@@ -91,8 +91,8 @@ def receive_collective(weights: dict[str, Any]) -> list[torch.Tensor] | None:
     when the broadcast failed (a member died or the connection broke; logged as a WARNING naming
     the ranks found gone): the caller then loads from the cache the leader filled.
     """
-    from .transport import TensorMeta, TransportError
-    from .transport.collective import broadcast, private_group
+    from . import TensorMeta, TransportError
+    from .collective import broadcast, private_group
 
     topology = current_topology()
     members = weights["members"]
@@ -119,3 +119,32 @@ def receive_collective(weights: dict[str, Any]) -> list[torch.Tensor] | None:
                        ", ".join(f"rank {r} is gone" for r in gone) or "no member known to be "
                        "gone on this node", json.dumps(members), err)
         return None
+
+
+class CollectiveWeights:
+    """The ``"collective"`` :class:`~patchload.transport.base.WeightTransport`: the leader
+    broadcasts to the ranks that arrived within the arrival window; the others load plainly."""
+
+    name = "collective"
+    verb = "received"
+    collective = True
+
+    def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
+              tensors: list[torch.Tensor]) -> tuple[dict[str, Any], Callable[[], None] | None]:
+        """See :func:`share_collective` (the model's own tensors stay as loaded)."""
+        return share_collective(call, tensors)
+
+    def receive(self, call: Call, weights: dict[str, Any],
+                used: dict[str, Any]) -> list[torch.Tensor] | None:
+        """See :func:`receive_collective`; joins the broadcast once per call."""
+        if "joined" not in used:
+            used["joined"] = receive_collective(weights)
+        return used["joined"]
+
+    def abandon(self, call: Call, weights: dict[str, Any], used: dict[str, Any]) -> None:
+        """A member still takes part in the broadcast: the leader and the others wait for it."""
+        self.receive(call, weights, used)
+
+    def settle(self, call: Call, model: torch.nn.Module, weights: dict[str, Any],
+               tensors: list[torch.Tensor]) -> None:
+        """Nothing: received tensors are this rank's own memory."""

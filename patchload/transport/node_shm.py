@@ -1,0 +1,119 @@
+"""The ``"shm"`` transport: one sealed memfd blob per load, mapped copy-on-write by the node.
+
+The node leader writes its loaded tensors into one blob (:func:`patchload.transport.shm.share`),
+re-pointing each of its own tensors at the blob as soon as it is written (so it never holds two
+copies), and keeps the blob's fd open for its followers (:class:`patchload._shares.OpenShares`).
+Followers map it (:func:`patchload.transport.shm.attach`). Every model mapping a blob is tracked
+(:class:`patchload._writes.MappedModels`) so that its weights leave the shared copy before they
+are written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Final
+
+from .._shares import OpenShares
+from .._tensors import repoint
+from .._writes import MappedModels
+from . import TransportError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..coordination.protocol import Call
+
+__all__ = ["ShmWeights"]
+
+logger = logging.getLogger(__name__)
+
+_TRIM_EVERY_BYTES: Final = 16 * 2**20
+
+
+class ShmWeights:
+    """The ``"shm"`` :class:`~patchload.transport.base.WeightTransport` (see the module
+    docstring). Holds this process's open blobs and mapped models."""
+
+    name = "shm"
+    verb = "mapped"
+    collective = False
+
+    def __init__(self) -> None:
+        self.shares = OpenShares()
+        self.mapped = MappedModels()
+
+    def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
+              tensors: list[torch.Tensor]) -> tuple[dict[str, Any], Callable[[], None] | None]:
+        """Leader: write ``tensors`` into one blob, re-pointing the model's tensors at it one
+        at a time. ``tensors`` is emptied first: from then on this holds the only extra
+        reference to each private original, freed as soon as its copy is in the blob (peak:
+        the model plus about one tensor)."""
+        from . import shm
+
+        shared_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        pending = [t.detach() for t in tensors]
+        tensors.clear()
+        freed_bytes = 0
+
+        def on_shared(index: int, replacement: torch.Tensor) -> None:
+            nonlocal freed_bytes
+            repoint(model, entries, index, replacement)
+            pending[index] = replacement  # the private original is freed here, one at a time
+            freed_bytes += replacement.numel() * replacement.element_size()
+            if freed_bytes >= _TRIM_EVERY_BYTES:  # hand freed heap back as we go: lower peak
+                _trim_heap()
+                freed_bytes = 0
+
+        descriptor, _ = shm.share(pending, on_shared=on_shared)
+        _trim_heap()
+        if descriptor.get("fd") is not None:  # followers open the blob through this process
+            mapping = _blob_storage(descriptor, pending)
+            self.shares.add(call, descriptor, model, mapping)
+            self.mapped.add(model, mapping, f"{call.prefix()} {call.what}",
+                            on_unmapped=lambda: self.shares.unmapped(descriptor))
+            del mapping
+        logger.info("%s: shared %d tensors (%d bytes) with this node's ranks", call.prefix(),
+                    len(entries), shared_bytes)
+        return {"descriptor": descriptor}, None
+
+    def receive(self, call: Call, weights: dict[str, Any],
+                used: dict[str, Any]) -> list[torch.Tensor] | None:
+        """Follower: map the leader's blob (None, with a warning, when it cannot be)."""
+        from . import shm
+
+        try:
+            return shm.attach(weights["descriptor"])
+        except TransportError as err:
+            logger.warning("%s: cannot map the leader's shared weights (%s): loading this rank's "
+                           "weights from the checkpoint", call.prefix(), err)
+            return None
+
+    def abandon(self, call: Call, weights: dict[str, Any], used: dict[str, Any]) -> None:
+        """Nothing: the leader never waits for a follower's mapping."""
+
+    def settle(self, call: Call, model: torch.nn.Module, weights: dict[str, Any],
+               tensors: list[torch.Tensor]) -> None:
+        """Track the model while it maps the blob (its weights leave it before being written)."""
+        blob = _blob_storage(weights["descriptor"], tensors)
+        if blob is not None:
+            self.mapped.add(model, blob, f"{call.prefix()} {call.what}")
+
+
+def _blob_storage(descriptor: dict[str, Any], tensors: list[torch.Tensor]
+                  ) -> torch.UntypedStorage | None:
+    """This rank's mapping of the blob, when ``tensors`` (in the order of the descriptor's
+    entries) include views of one."""
+    for entry, tensor in zip(descriptor["tensors"], tensors):
+        if entry["kind"] == "blob":
+            return tensor.untyped_storage()
+    return None
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps freed tensor memory otherwise, and the
+    leader would hold its private copy and the blob at once)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
