@@ -402,7 +402,7 @@ def _before_ddp(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...
     the module on ranks other than 0, and training follows (see :mod:`patchload._writes`)."""
     module = args[0] if args else kwargs.get("module")
     if _SHM.mapped and module is not None:
-        _SHM.mapped.before_writes(_tensors_of(module), "wrapped in DistributedDataParallel")
+        _before_writes(lambda: _tensors_of(module), "wrapped in DistributedDataParallel")
     return wrapped(*args, **kwargs)
 
 
@@ -411,10 +411,19 @@ def _after_param_group(wrapped: Callable[..., Any], instance: Any, args: tuple[A
     """``Optimizer.add_param_group``: its step will write the group's parameters that require
     a gradient (see :mod:`patchload._writes`)."""
     result = wrapped(*args, **kwargs)
-    if _SHM.mapped and instance.param_groups:
-        trained = [p for p in instance.param_groups[-1]["params"] if p.requires_grad]
-        _SHM.mapped.before_writes(trained, f"given to {type(instance).__name__}")
+    if _SHM.mapped:
+        _before_writes(lambda: [p for p in instance.param_groups[-1]["params"]
+                                if p.requires_grad], f"given to {type(instance).__name__}")
     return result
+
+
+def _before_writes(tensors: Callable[[], list[torch.Tensor]], why: str) -> None:
+    """Copy the mapped models among ``tensors()`` out; never raises into the user's call (an
+    argument the wrapped call itself rejects, say): they then stay on copy-on-write."""
+    try:
+        _SHM.mapped.before_writes(tensors(), why)
+    except Exception as err:  # noqa: BLE001 - equal values either way; the user's call goes on
+        logger.debug("%s: not copying shared weights out: %s: %s", why, type(err).__name__, err)
 
 
 def _tensors_of(module: Any) -> list[torch.Tensor]:

@@ -6,7 +6,9 @@ mapping keeps the blob alive) and a rank of its node may still come. Once the le
 no longer map it (``del model`` and a garbage collection, the model moved to a device or
 sharded, its weights copied out before being written: :mod:`patchload._writes`), the fd is
 closed as soon as every follower that arrived at the call is done with it (or its process is
-gone); from then on the blob lives only as long as some follower's tensors map it. A thread of
+gone), and every rank of the node that has not arrived yet is waited for until ``_LATE_S``
+seconds after the share; from then on the blob lives only as long as some follower's tensors
+map it. A thread of
 the leader watches its mappings (no store request while they live); at exit the leader waits
 (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived, then closes
 every blob. A rank that reaches the call after its blob is closed loads from the cache the
@@ -20,7 +22,7 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from .coordination.followers import pending_followers, wait_followers_done
@@ -34,6 +36,7 @@ __all__ = ["OpenShares"]
 logger = logging.getLogger(__name__)
 
 _WATCH_S: Final = 0.5  # how often the leader's mappings are looked at (no store request)
+_LATE_S: Final = 5.0  # how long after the share a rank that has not arrived is waited for
 
 
 @dataclass(eq=False)
@@ -41,6 +44,7 @@ class _Share:
     call: Call
     descriptor: dict[str, Any]
     mapping: Any  # StorageWeakRef of the leader's own mapping of the blob
+    shared_at: float = field(default_factory=time.monotonic)
     unmapped: bool = False  # the leader's tensors no longer map the blob
 
 
@@ -49,7 +53,7 @@ class OpenShares:
 
     def __init__(self) -> None:
         self._shares: list[_Share] = []
-        self._lock = threading.RLock()  # a finalizer may run inside a locked block (GC)
+        self._lock = threading.RLock()
         self._exit_hooked = False
         self._watching = False
 
@@ -70,8 +74,9 @@ class OpenShares:
                 self._watching = True
                 threading.Thread(target=self._watch, daemon=True,
                                  name="patchload-shares").start()
-        finalizer = weakref.finalize(model, self._unmapped, share)
-        finalizer.atexit = False  # at exit, release_at_exit waits for the followers first
+        # Only a flag: a finalizer may run inside any code (GC); the watcher does the rest.
+        finalizer = weakref.finalize(model, setattr, share, "unmapped", True)
+        finalizer.atexit = False
 
     def unmapped(self, descriptor: dict[str, Any]) -> None:
         """The leader's model no longer maps the blob of ``descriptor`` (its weights were copied
@@ -93,24 +98,32 @@ class OpenShares:
             self._release(share)
 
     def _watch(self) -> None:
-        """Until no blob is open: notice a leader mapping that went (a model moved to a device,
-        sharded, freed) and close its blob once the followers that arrived are done."""
-        while True:
+        """Until no blob is open: notice a leader mapping that went (a model freed, moved to a
+        device, sharded) and close its blob once no follower may need it."""
+        try:
+            while True:
+                with self._lock:
+                    if not self._shares:
+                        self._watching = False  # under the lock: the next add starts a watcher
+                        return
+                    shares = list(self._shares)
+                for share in shares:
+                    if share.unmapped or share.mapping.expired():
+                        self._unmapped(share)
+                time.sleep(_WATCH_S)
+        except Exception as err:  # noqa: BLE001 - the blobs left are closed at exit
+            logger.debug("watching the shared blobs failed: %s: %s", type(err).__name__, err)
             with self._lock:
-                shares = list(self._shares)
-                if not shares:
-                    self._watching = False
-                    return
-            for share in shares:
-                if share.unmapped or share.mapping.expired():
-                    self._unmapped(share)
-            time.sleep(_WATCH_S)
+                self._watching = False
 
     def _unmapped(self, share: _Share) -> None:
+        """Close the blob once every follower that arrived is done and, for ``_LATE_S`` seconds
+        after the share, every rank of the node (one still on its way gets the blob)."""
         share.unmapped = True
+        late = time.monotonic() - share.shared_at > _LATE_S
         try:
-            pending = pending_followers(share.call, arrived_only=True)
-        except Exception as err:  # noqa: BLE001 - maybe in a finalizer: tried again later
+            pending = pending_followers(share.call, arrived_only=late)
+        except Exception as err:  # noqa: BLE001 - tried again by the watcher
             logger.debug("%s: checking the followers of a shared blob failed: %s",
                          share.call.prefix(), err)
             return

@@ -18,14 +18,17 @@ happened.
 
 The copy changes no value, shape, stride, dtype or object identity: every ``Parameter`` and
 buffer keeps its Python object (``tensor.data = copy``), so the references DDP, an optimizer or
-the user already hold see the private bytes. A model with other views of its mapped bytes (a
-``weight[:10]`` the user kept) is not copied (the view would stop seeing the parameter's
-writes): its pages are then copied on write, as before.
+the user already hold see the private bytes (only ``data_ptr()`` and the storage change, as a
+plain load's addresses differ anyway). A model whose mapped bytes are reachable some other way
+(a ``weight[:10]`` view or a ``untyped_storage()`` object the user kept), that holds inference
+tensors, or that is copied inside ``torch.inference_mode()`` is not copied: its pages are then
+copied on write, one INFO line says why. A raw ``data_ptr()`` kept by user code cannot be seen.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -43,8 +46,12 @@ logger = logging.getLogger(__name__)
 class _Mapped:
     model: weakref.ref[Any]
     storage_ptr: int  # data_ptr of this rank's mapping of the blob (one storage for all views)
+    mapping: Any  # StorageWeakRef of that mapping: gone once no tensor views it
     prefix: str
     on_unmapped: Callable[[], None] | None
+
+    def live(self) -> bool:
+        return self.model() is not None and not self.mapping.expired()
 
 
 class MappedModels:
@@ -58,9 +65,11 @@ class MappedModels:
             on_unmapped: Callable[[], None] | None = None) -> None:
         """Track ``model``, whose tensors view ``storage`` (this rank's ``MAP_PRIVATE`` mapping
         of a blob); ``on_unmapped()`` runs once they no longer do (the leader closes its fd)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
         with self._lock:
-            self._mapped.append(_Mapped(weakref.ref(model), storage.data_ptr(), prefix,
-                                        on_unmapped))
+            self._mapped.append(_Mapped(weakref.ref(model), storage.data_ptr(),
+                                        StorageWeakRef(storage), prefix, on_unmapped))
 
     def __bool__(self) -> bool:
         return bool(self._mapped)
@@ -70,7 +79,7 @@ class MappedModels:
         memory (see the module docstring). Not collective; costs one bulk copy of those models.
         """
         with self._lock:
-            self._mapped = [m for m in self._mapped if m.model() is not None]
+            self._mapped = [m for m in self._mapped if m.live()]
             if not self._mapped:
                 return
             by_ptr = {m.storage_ptr: m for m in self._mapped}
@@ -106,6 +115,16 @@ def _storage_ptr(tensor: Any) -> int | None:
     return tensor.untyped_storage().data_ptr()
 
 
+def _python_refs_of_a_fresh_storage() -> int:
+    """``sys.getrefcount`` of the storage object of a live tensor, held by one local name only
+    (torch keeps references of its own; counted the same way as in :func:`_copy_out`)."""
+    import torch
+
+    tensor = torch.empty(1)
+    storage = tensor.untyped_storage()
+    return sys.getrefcount(storage)
+
+
 def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
     import torch
 
@@ -119,12 +138,17 @@ def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
     if not views:
         return
     storage = views[0].untyped_storage()
-    # Each tensor object holds one reference to the storage, and so does `storage` itself.
+    # Each tensor object holds one reference to the storage, and so does `storage` itself; a
+    # storage object the user holds is this same Python object, with more Python references.
     others = torch._C._storage_Use_Count(storage._cdata) - len(views) - 1
-    if others > 0:
+    reason = None
+    if others > 0 or sys.getrefcount(storage) > _python_refs_of_a_fresh_storage():
+        reason = "other views of them, or their storage, are held"
+    elif torch.is_inference_mode_enabled() or any(v.is_inference() for v in views):
+        reason = "inference tensors are involved (a copy would change is_inference())"
+    if reason is not None:
         logger.info("%s: %s; its weights stay mapped from the node's shared copy, and pages are "
-                    "copied as they are written: %d other views of them exist", mapped.prefix,
-                    why, others)
+                    "copied as they are written: %s", mapped.prefix, why, reason)
         return
     copied = 0
     with torch.no_grad():

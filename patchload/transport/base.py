@@ -55,8 +55,8 @@ class WeightTransport(Protocol):
             published (the broadcast's send), or None.
 
         Raises:
-            OSError, TransportError: the tensors cannot be shared; the call then fails as a
-                whole on the leader, and its followers get its error.
+            OSError, TransportError: the tensors cannot be shared; the leader keeps its model
+                (its values unchanged) and publishes no weights: followers load their own.
         """
         ...
 

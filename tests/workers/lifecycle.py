@@ -12,8 +12,8 @@ Usage: ``lifecycle.py regroup`` or ``lifecycle.py teacher``; reports go to
   a second group there hangs now and then without patchload too.
 * ``teacher`` (under a launcher): only rank 0 loads ``org/llama`` as ``bfloat16`` (a converting
   load: a shared blob), then ``del model`` and ``gc.collect()``; it reports its shared-memory
-  fds and their bytes before and after, and how long its interpreter took to exit (the other
-  ranks never make the call).
+  fds and their bytes before and once they are gone (at most 15 s), how long that took, and how
+  long its interpreter took to exit (the other ranks never make the call).
 """
 
 from __future__ import annotations
@@ -93,7 +93,12 @@ def _teacher() -> None:
         report["loaded"] = _memfds()
         del model
         gc.collect()
+        freed_at = time.time()
+        # rank 1 never makes the call: it is waited for until 5 s after the share, no longer
+        while _memfds()["count"] and time.time() < freed_at + 15:
+            time.sleep(0.1)
         report["freed"] = _memfds()
+        report["freed_after_s"] = time.time() - freed_at
     report["t_end"] = time.time()
     _write(rank, report)
 
