@@ -432,3 +432,61 @@ def test_follower_exception_keeps_what_handlers_read():
                              leader_rank=0, prefix="")
     assert (exc.errno, exc.strerror, exc.filename) == (
         errnos.ENOSPC, "No space left on device", "/cache/blob.incomplete")
+
+
+# --- copy-out before writes (patchload._writes) ---------------------------------------------------
+
+def _model_on_one_storage():
+    """Two linear layers, a tied weight and a buffer, all views of one storage made the way
+    ``shm.attach`` makes them (``set_``: no ``_base``), and that storage."""
+    import torch
+
+    storage = torch.arange(44, dtype=torch.float32).untyped_storage()
+
+    def view(offset, shape, stride):
+        return torch.empty(0).set_(storage, offset, shape, stride)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight = model[0].weight  # tied: one Parameter under two names
+    with torch.no_grad():
+        model[0].weight.data = view(0, (4, 4), (1, 4))  # transposed: the stride must stay
+        model[0].bias.data = view(16, (4,), (1,))
+        model[1].bias.data = view(20, (4,), (1,))
+    model.register_buffer("scale", view(24, (20,), (1,)))
+    return model, storage
+
+
+@pytest.mark.parametrize("hold", [None, "view", "storage", "inference"])
+def test_copy_out_keeps_values_and_objects_and_refuses_what_it_cannot_keep(hold):
+    import torch
+
+    from patchload._writes import MappedModels
+
+    model, storage = _model_on_one_storage()
+    mapped = MappedModels()
+    mapped.add(model, storage, "[test]")
+    base = storage.data_ptr()
+    del storage
+    tensors = list(model.parameters()) + list(model.buffers())
+    before = [(t.detach().clone(), t.stride()) for t in tensors]
+    held = None
+    if hold == "view":
+        held = model[0].bias[:2]
+    elif hold == "storage":
+        held = model[0].bias.untyped_storage()
+    if hold == "inference":
+        with torch.inference_mode():
+            mapped.before_writes(list(model.parameters()), "given to SGD")
+    else:
+        mapped.before_writes(list(model.parameters()), "given to SGD")
+
+    after = list(model.parameters()) + list(model.buffers())
+    assert [id(t) for t in after] == [id(t) for t in tensors]  # same objects
+    assert model[1].weight is model[0].weight
+    for (value, stride), t in zip(before, after):
+        assert torch.equal(value, t) and t.stride() == stride
+    copied = {t.untyped_storage().data_ptr() != base for t in after}
+    # Every tensor of the model leaves the mapping at once, or none does.
+    assert copied == ({True} if hold is None else {False}), hold
+    assert not mapped  # copied or refused: not tried again
+    del held
