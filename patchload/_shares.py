@@ -8,8 +8,8 @@ sharded, its weights copied out before being written: :mod:`patchload._writes`),
 closed as soon as every follower that arrived at the call is done with it (or its process is
 gone), and every rank of the node that has not arrived yet is waited for until ``_LATE_S``
 seconds after the share; from then on the blob lives only as long as some follower's tensors
-map it. A thread of
-the leader watches its mappings (no store request while they live); at exit the leader waits
+map it. A thread of the leader watches its mappings (no store request while they live); at
+exit the leader waits
 (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived, then closes
 every blob. A rank that reaches the call after its blob is closed loads from the cache the
 leader filled (with a warning).
@@ -21,7 +21,6 @@ import atexit
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -45,7 +44,6 @@ class _Share:
     descriptor: dict[str, Any]
     mapping: Any  # StorageWeakRef of the leader's own mapping of the blob
     shared_at: float = field(default_factory=time.monotonic)
-    unmapped: bool = False  # the leader's tensors no longer map the blob
 
 
 class OpenShares:
@@ -57,11 +55,11 @@ class OpenShares:
         self._exit_hooked = False
         self._watching = False
 
-    def add(self, call: Call, descriptor: dict[str, Any], model: Any,
+    def add(self, call: Call, descriptor: dict[str, Any],
             mapping: torch.UntypedStorage) -> None:
-        """Keep the blob of ``descriptor`` (shared for ``call``; ``model``'s tensors are views
-        of ``mapping``, the leader's own mapping of it) open while a rank of the node may need
-        it (see the module docstring). Not collective."""
+        """Keep the blob of ``descriptor`` (shared for ``call``; the leader's tensors are views
+        of ``mapping``, its own mapping of it) open while a rank of the node may need it (see
+        the module docstring). Not collective."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
         share = _Share(call, descriptor, StorageWeakRef(mapping))
@@ -74,17 +72,6 @@ class OpenShares:
                 self._watching = True
                 threading.Thread(target=self._watch, daemon=True,
                                  name="patchload-shares").start()
-        # Only a flag: a finalizer may run inside any code (GC); the watcher does the rest.
-        finalizer = weakref.finalize(model, setattr, share, "unmapped", True)
-        finalizer.atexit = False
-
-    def unmapped(self, descriptor: dict[str, Any]) -> None:
-        """The leader's model no longer maps the blob of ``descriptor`` (its weights were copied
-        out before being written): close it once the followers that arrived are done."""
-        with self._lock:
-            shares = [s for s in self._shares if s.descriptor is descriptor]
-        for share in shares:
-            self._unmapped(share)
 
     def release_at_exit(self) -> None:
         """Wait (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived
@@ -108,18 +95,17 @@ class OpenShares:
                         return
                     shares = list(self._shares)
                 for share in shares:
-                    if share.unmapped or share.mapping.expired():
-                        self._unmapped(share)
+                    if share.mapping.expired():
+                        self._close_if_done(share)
                 time.sleep(_WATCH_S)
         except Exception as err:  # noqa: BLE001 - the blobs left are closed at exit
             logger.debug("watching the shared blobs failed: %s: %s", type(err).__name__, err)
             with self._lock:
                 self._watching = False
 
-    def _unmapped(self, share: _Share) -> None:
+    def _close_if_done(self, share: _Share) -> None:
         """Close the blob once every follower that arrived is done and, for ``_LATE_S`` seconds
         after the share, every rank of the node (one still on its way gets the blob)."""
-        share.unmapped = True
         late = time.monotonic() - share.shared_at > _LATE_S
         try:
             pending = pending_followers(share.call, arrived_only=late)
@@ -138,5 +124,5 @@ class OpenShares:
                 return  # another thread released it
             self._shares.remove(share)
         shm.release(share.descriptor)
-        logger.debug("%s: closed the shared blob (followers done%s)", share.call.prefix(),
-                     ", leader's tensors unmapped" if share.unmapped else "")
+        logger.debug("%s: closed the shared blob (the leader's tensors left it, followers done)",
+                     share.call.prefix())

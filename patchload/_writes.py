@@ -32,7 +32,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,6 @@ class _Mapped:
     storage_ptr: int  # data_ptr of this rank's mapping of the blob (one storage for all views)
     mapping: Any  # StorageWeakRef of that mapping: gone once no tensor views it
     prefix: str
-    on_unmapped: Callable[[], None] | None
 
     def live(self) -> bool:
         return self.model() is not None and not self.mapping.expired()
@@ -61,15 +60,14 @@ class MappedModels:
         self._mapped: list[_Mapped] = []
         self._lock = threading.Lock()
 
-    def add(self, model: Any, storage: torch.UntypedStorage, prefix: str,
-            on_unmapped: Callable[[], None] | None = None) -> None:
+    def add(self, model: Any, storage: torch.UntypedStorage, prefix: str) -> None:
         """Track ``model``, whose tensors view ``storage`` (this rank's ``MAP_PRIVATE`` mapping
-        of a blob); ``on_unmapped()`` runs once they no longer do (the leader closes its fd)."""
+        of a blob). Not collective."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
         with self._lock:
             self._mapped.append(_Mapped(weakref.ref(model), storage.data_ptr(),
-                                        StorageWeakRef(storage), prefix, on_unmapped))
+                                        StorageWeakRef(storage), prefix))
 
     def __bool__(self) -> bool:
         return bool(self._mapped)
@@ -161,5 +159,3 @@ def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
     logger.info("%s: %s: copied %d bytes of weights out of the node's shared copy into this "
                 "rank's private memory (a plain load's layout) before they are written",
                 mapped.prefix, why, copied)
-    if mapped.on_unmapped is not None:
-        mapped.on_unmapped()

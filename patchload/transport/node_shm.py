@@ -69,9 +69,8 @@ class ShmWeights:
         _trim_heap()
         if descriptor.get("fd") is not None:  # followers open the blob through this process
             mapping = _blob_storage(descriptor, pending)
-            self.shares.add(call, descriptor, model, mapping)
-            self.mapped.add(model, mapping, f"{call.prefix()} {call.what}",
-                            on_unmapped=lambda: self.shares.unmapped(descriptor))
+            self.shares.add(call, descriptor, mapping)
+            self.mapped.add(model, mapping, f"{call.prefix()} {call.what}")
             del mapping
         logger.info("%s: shared %d tensors (%d bytes) with this node's ranks", call.prefix(),
                     len(entries), shared_bytes)
