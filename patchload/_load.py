@@ -112,22 +112,32 @@ def _share(result: Any, call: Call, mode: Mode
     model = _model_of(result)
     if model is None:
         return {}, None
+    transport = _transport_of(call)
     reason = _post_load_reason(model)
     if reason is None and initialized_by_follower(mode.used.get("loading_info") or {}) is None:
         reason = "keys missing from the checkpoint are initialised inside the step followers skip"
     if reason is not None:
+        transport.discard(model, mode.used)
         logger.info("%s: not sharing weights: %s; followers load them plainly",
                     call.prefix(), reason)
         return {"weights": None, "reason": reason}, None
-    # A job-scope load is a broadcast: to every rank, or to the other nodes' leaders.
-    transport = _TRANSPORTS["collective" if call.scope == "job" else "shm"]
     entries, unique = entries_of(model)
     info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "headers": mode.used.get("headers", {}),
             "loading_info": mode.used.get("loading_info"), "transport": transport.name}
-    payload, after = transport.share(call, model, entries, unique)
+    try:
+        payload, after = transport.share(call, model, entries, unique, mode.used)
+    except BaseException:
+        transport.discard(model, mode.used)
+        raise
     info.update(payload)
     return {"weights": info}, after
+
+
+def _transport_of(call: Call) -> Any:
+    """The transport of a load call: a job-scope load is a broadcast (to every rank, or to the
+    other nodes' leaders); a node-scope one shares memory."""
+    return _TRANSPORTS["collective" if call.scope == "job" else "shm"]
 
 
 def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
@@ -366,6 +376,10 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
         return wrapped(*args, **kwargs)
     if mode.lead:
         files_ready(mode.call)  # every checkpoint file is in the cache by now
+        model = args[0] if args else kwargs.get("model")
+        if model is not None and "loading_info" not in mode.used:  # not an adapter's load
+            _transport_of(mode.call).prepare(mode.call, model, mode.used)
+        del model
         result = wrapped(*args, **kwargs)
         # The model's own checkpoint: an adapter loaded inside the same call comes second.
         mode.used.setdefault("loading_info", describe_loading_info(result))

@@ -629,6 +629,60 @@ def test_shm_share_frees_each_original_after_its_callback():
         shm.release(descriptor)
 
 
+def test_shm_share_seals_the_arena_in_place_and_gives_back_what_no_tensor_kept():
+    import fcntl
+
+    from patchload.transport import shm
+    from patchload.transport.arena import BlobArena
+
+    arena = BlobArena(8_000_000)
+    converted = arena.take((1000, 100), torch.float32)
+    converted.copy_(torch.arange(100_000, dtype=torch.bfloat16).view(1000, 100))
+    dropped = arena.take((1_000_000,), torch.float32)   # a converter's input, say
+    dropped.fill_(7)
+    del dropped
+    tensors = [converted, torch.randn(3, 5), torch.empty(0)]
+    del converted
+    expected = [t.clone() for t in tensors]
+    arena_fd = arena.fd
+
+    descriptor, _ = shm.share(tensors, on_shared=lambda i, r: tensors.__setitem__(i, r),
+                              arena=arena)
+    try:
+        assert descriptor["fd"] == arena_fd and arena.fd is None      # the arena is the blob
+        assert [e["kind"] for e in descriptor["tensors"]] == ["blob", "blob", "empty"]
+        assert descriptor["tensors"][0]["offset"] == 0                 # not copied
+        assert fcntl.fcntl(arena_fd, 1034) & 8                         # F_SEAL_WRITE
+        # The dropped 4 MB were given back: the memfd holds the kept tensors only.
+        assert os.fstat(arena_fd).st_blocks * 512 < 500_000
+        for mine, theirs, want in zip(tensors, shm.attach(descriptor), expected):
+            assert torch.equal(mine, want) and torch.equal(theirs, want)
+        assert not tensors[0].untyped_storage().nbytes() > descriptor["nbytes"]
+    finally:
+        shm.release(descriptor)
+
+
+def test_shm_share_copies_into_a_new_blob_when_the_arena_is_still_writable_elsewhere():
+    from patchload.transport import shm
+    from patchload.transport.arena import BlobArena
+
+    arena = BlobArena(4096)
+    weight = arena.take((10,), torch.float32)
+    weight.fill_(3)
+    kept_view = weight[2:4]                                            # a writer we cannot see
+    tensors = [weight]
+    del weight
+    descriptor, _ = shm.share(tensors, on_shared=lambda i, r: tensors.__setitem__(i, r),
+                              arena=arena)
+    try:
+        assert arena.fd is None and descriptor["fd"] is not None
+        kept_view.fill_(9)                                             # reaches neither copy
+        assert torch.equal(tensors[0], torch.full((10,), 3.0))
+        assert torch.equal(shm.attach(descriptor)[0], torch.full((10,), 3.0))
+    finally:
+        shm.release(descriptor)
+
+
 def test_shm_rejects_non_cpu_and_bad_descriptors(tmp_path):
     from patchload.transport import ShmAttachError, shm
 

@@ -42,13 +42,27 @@ class WeightTransport(Protocol):
     verb: str
     collective: bool
 
+    def prepare(self, call: Call, model: torch.nn.Module, used: dict[str, Any]) -> None:
+        """Leader, before it reads the checkpoint into ``model`` (its skeleton, parameters on
+        the meta device): set up, in ``used`` (the call's scratch dict), where the load may
+        write its tensors so that :meth:`share` copies less."""
+        ...
+
+    def discard(self, model: torch.nn.Module, used: dict[str, Any]) -> None:
+        """Leader that prepared and will not share (a reason not to, or :meth:`share` raised):
+        give ``model`` back what a plain load gives it, and release what :meth:`prepare` set
+        up."""
+        ...
+
     def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
-              tensors: list[torch.Tensor]) -> tuple[dict[str, Any], Callable[[], None] | None]:
+              tensors: list[torch.Tensor], used: dict[str, Any]
+              ) -> tuple[dict[str, Any], Callable[[], None] | None]:
         """Leader, after its load: make ``tensors`` (the model's unique CPU tensors, in the
         order of ``entries``: ``[name, kind, index, requires_grad]``) available to the
         followers. May re-point the leader's own tensors at the shared bytes (equal values).
         ``tensors`` is handed over: the transport may empty the list (so that each private
-        original can be freed as soon as its shared copy exists).
+        original can be freed as soon as its shared copy exists). ``used`` holds what
+        :meth:`prepare` set up.
 
         Returns:
             A JSON-able payload published with the weights, and a step to run once they are

@@ -129,8 +129,15 @@ class CollectiveWeights:
     verb = "received"
     collective = True
 
+    def prepare(self, call: Call, model: torch.nn.Module, used: dict[str, Any]) -> None:
+        """Nothing: the leader sends from its own tensors."""
+
+    def discard(self, model: torch.nn.Module, used: dict[str, Any]) -> None:
+        """Nothing was prepared."""
+
     def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
-              tensors: list[torch.Tensor]) -> tuple[dict[str, Any], Callable[[], None] | None]:
+              tensors: list[torch.Tensor], used: dict[str, Any]
+              ) -> tuple[dict[str, Any], Callable[[], None] | None]:
         """See :func:`share_collective` (the model's own tensors stay as loaded)."""
         return share_collective(call, tensors)
 

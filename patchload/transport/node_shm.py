@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from .._shares import OpenShares
-from .._tensors import repoint
+from .._tensors import entries_of, repoint
 from .._writes import MappedModels
 from . import TransportError
 
@@ -43,12 +44,40 @@ class ShmWeights:
         self.shares = OpenShares()
         self.mapped = MappedModels()
 
+    def prepare(self, call: Call, model: torch.nn.Module, used: dict[str, Any]) -> None:
+        """Leader: an arena the size of ``model``'s tensors (their skeleton dtypes), which a
+        converting load writes into (:mod:`patchload._convert`): sharing then copies nothing.
+        The memfd is made on the first conversion; a load that converts nothing makes none."""
+        from .arena import BlobArena, aligned
+
+        capacity = 0
+        for tensor in entries_of(model)[1]:
+            capacity = aligned(capacity) + tensor.numel() * tensor.element_size()
+        used["arena"] = BlobArena(capacity)
+
+    def discard(self, model: torch.nn.Module, used: dict[str, Any]) -> None:
+        """Leader: move ``model``'s tensors out of the arena into private memory (a writable
+        shared mapping would be shared with a forked child, where a plain load's memory is
+        copy-on-write), then close it."""
+        arena = used.pop("arena", None)
+        if arena is None or arena.fd is None:
+            return
+        entries, unique = entries_of(model)
+        for index, tensor in enumerate(unique):
+            if arena.owns(tensor):
+                repoint(model, entries, index, tensor.detach().clone())
+        del unique
+        os.close(arena.hand_over())
+        arena.drop_writable()
+
     def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
-              tensors: list[torch.Tensor]) -> tuple[dict[str, Any], Callable[[], None] | None]:
-        """Leader: write ``tensors`` into one blob, re-pointing the model's tensors at it one
-        at a time. ``tensors`` is emptied first: from then on this holds the only extra
-        reference to each private original, freed as soon as its copy is in the blob (peak:
-        the model plus about one tensor)."""
+              tensors: list[torch.Tensor], used: dict[str, Any]
+              ) -> tuple[dict[str, Any], Callable[[], None] | None]:
+        """Leader: write ``tensors`` into one blob (the arena of :meth:`prepare`, where the
+        converted ones already are), re-pointing the model's tensors at it one at a time.
+        ``tensors`` is emptied first: from then on this holds the only extra reference to each
+        private original, freed as soon as its copy is in the blob (peak: the model plus about
+        one tensor)."""
         from . import shm
 
         shared_bytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -65,7 +94,7 @@ class ShmWeights:
                 _trim_heap()
                 freed_bytes = 0
 
-        descriptor, _ = shm.share(pending, on_shared=on_shared)
+        descriptor, _ = shm.share(pending, on_shared=on_shared, arena=used.pop("arena", None))
         _trim_heap()
         if descriptor.get("fd") is not None:  # followers open the blob through this process
             mapping = _blob_storage(descriptor, pending)

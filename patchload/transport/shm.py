@@ -31,6 +31,7 @@ from typing import Any, Callable, Final, Mapping, Sequence
 import torch
 
 from patchload.coordination.identity import node_id
+from patchload.transport.arena import BlobArena, aligned
 from patchload.transport import (
     LeaderGoneError,
     ShmAttachError,
@@ -44,7 +45,6 @@ __all__ = ["share", "attach", "release"]
 logger = logging.getLogger(__name__)
 
 DESCRIPTOR_VERSION: Final = 2
-ALIGN_BYTES: Final = 64
 MEMFD_NAME: Final = "patchload"
 
 _F_ADD_SEALS: Final = getattr(fcntl, "F_ADD_SEALS", 1033)
@@ -76,27 +76,34 @@ def share(
     tensors: Sequence[torch.Tensor],
     *,
     on_shared: Callable[[int, torch.Tensor], None] | None = None,
+    arena: BlobArena | None = None,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Publish CPU tensors to the processes of this node (node leader role).
 
     For each tensor, in order:
 
     - empty (``numel() == 0``): described by its meta only; the replacement is the tensor itself.
+    - a dense view of ``arena`` (a converting load wrote it there): described as ``{"kind":
+      "blob", "offset": <its offset in the arena>}``; nothing is copied.
     - a clean view of a private or read-only *file* mapping (safetensors' zero-copy load), with no
       page of it modified in this process (checked in ``/proc/self/pagemap``): described as
       ``{"kind": "file", "file": <index into descriptor["files"]>, "offset": <byte offset in the
       file>}``; the replacement is the tensor itself, nothing is copied.
-    - anything else: copied into one memfd blob at a 64-byte aligned offset. The replacement is a
-      view, with the same shape, dtype and (for dense tensors) stride, of a ``MAP_PRIVATE``
-      mapping of that blob, so the leader shares the blob's pages too. A non-dense tensor (one
-      with gaps or overlaps) is stored contiguous and its replacement is contiguous.
+    - anything else: copied into one memfd blob (the arena's free space when it fits, else a new
+      memfd, into which the arena's tensors are then copied too) at a 64-byte aligned offset.
+
+    The replacement of a blob tensor is a view, with the same shape, dtype and (for dense
+    tensors) stride, of a ``MAP_PRIVATE`` mapping of the blob, so the leader shares the blob's
+    pages too. A non-dense tensor (one with gaps or overlaps) is stored contiguous and its
+    replacement is contiguous.
 
     Peak memory: the blob is written one tensor at a time and ``on_shared`` is called right after
     each write. ``tensors[i]`` is read only when entry ``i`` is written, and no reference to it is
     kept once ``on_shared(i, ...)`` returns. So a caller that passes a list it owns and, in
     ``on_shared``, re-points its parameter to the replacement and overwrites ``tensors[i]`` needs
     the model's bytes plus about one tensor (plus a temporary contiguous copy of a non-dense
-    tensor), not twice the model.
+    tensor), not twice the model. With an arena, converted tensors are not copied at all; arena
+    bytes that no tensor uses are given back before sealing.
 
     The blob's fd stays open in this process until :func:`release`, so that followers can open
     ``/proc/<pid>/fd/<fd>``; the blob itself lives until its last fd or mapping is gone.
@@ -108,6 +115,8 @@ def share(
         on_shared: called as ``on_shared(index, replacement)`` for every tensor, in order, as
             soon as its replacement holds the data. Exceptions propagate and abort the share
             (the blob is closed).
+        arena: where the caller's load wrote converted tensors (:class:`BlobArena`); its fd
+            becomes the blob's (or is closed, when a new memfd had to be made instead).
 
     Returns:
         ``(descriptor, replacements)``. ``descriptor`` is JSON-able:
@@ -121,6 +130,67 @@ def share(
         OSError: ``memfd_create``, ``ftruncate``, ``pwrite`` or sealing failed (e.g. ``ENOMEM``,
             ``ENOSPC`` under a memory cgroup limit).
     """
+    _check(tensors)
+    if arena is not None and arena.fd is None:
+        arena = None  # nothing was converted into it
+    entries, files, staged = _describe(tensors, arena)
+    descriptor: dict[str, Any] = {
+        "version": DESCRIPTOR_VERSION, "pid": os.getpid(), "node": node_id(),
+        "fd": None, "nbytes": 0, "dev": None, "ino": None, "files": files, "tensors": entries,
+    }
+    if arena is not None:
+        blob_bytes = _place(entries, staged, start=arena.used)
+        if blob_bytes <= arena.capacity:
+            replacements, sealed = _share_in_arena(tensors, entries, staged, descriptor,
+                                                   blob_bytes, arena, on_shared)
+            if sealed:
+                return descriptor, replacements
+            # Something still holds the writable mapping, so the arena cannot be sealed: copy
+            # from the leader's private views of it into a new blob.
+            tensors = replacements
+            del replacements
+        _close_arena(arena)
+        entries, files, _ = _describe(tensors, None)
+        descriptor.update(tensors=entries, files=files)
+    blob_bytes = _place(entries, set(), start=0)
+
+    replacements: list[torch.Tensor] = []
+    if blob_bytes == 0:
+        for index, t in enumerate(tensors):
+            replacements.append(t)
+            if on_shared is not None:
+                on_shared(index, t)
+        _log_summary(descriptor)
+        return descriptor, replacements
+
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, blob_bytes)
+        # Map before writing: a private mapping sees the file's writes until a page is COW'd,
+        # and nothing touches these pages before they are written.
+        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=False,
+                                                 nbytes=blob_bytes)
+        for index, entry in enumerate(entries):
+            if entry["kind"] == "blob":
+                _write(fd, tensors[index], entry)
+            replacement = _replacement(storage, tensors[index], entry)
+            replacements.append(replacement)
+            if on_shared is not None:
+                on_shared(index, replacement)
+            del replacement
+        fcntl.fcntl(fd, _F_ADD_SEALS, _SEALS)
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    _register(fd, blob_bytes)
+    descriptor.update(fd=fd, nbytes=blob_bytes, dev=st.st_dev, ino=st.st_ino)
+    _log_summary(descriptor)
+    return descriptor, replacements
+
+
+def _check(tensors: Sequence[torch.Tensor]) -> None:
+    # A function of its own: a loop variable left in share() would keep the last original alive.
     for index, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"share: entry {index} is a {type(t).__name__}, not a torch.Tensor")
@@ -128,14 +198,19 @@ def share(
             raise ValueError(f"share: entry {index} is a {t.layout} tensor on {t.device}; only "
                              "strided CPU tensors can be shared through shared memory")
 
+
+def _describe(tensors: Sequence[torch.Tensor], arena: BlobArena | None
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], set[int]]:
+    """Each tensor's entry (kind, stride; arena offsets for those in ``arena``), the files, and
+    the indices of the tensors already in the arena."""
     mappings = _read_maps()
     starts = [m.start for m in mappings]
     files: list[dict[str, Any]] = []
     file_index: dict[str, int] = {}
     pagemap_ok = True
     entries: list[dict[str, Any]] = []
-    blob_bytes = 0
-    for t in tensors:
+    staged: set[int] = set()
+    for index, t in enumerate(tensors):
         t = t.detach()
         entry: dict[str, Any] = {"meta": meta_of(t).to_json()}
         entries.append(entry)
@@ -143,6 +218,10 @@ def share(
             entry.update(kind="empty", stride=list(t.stride()))
             continue
         dense = _is_dense(t)
+        if dense and arena is not None and arena.owns(t):
+            entry.update(kind="blob", offset=arena.offset_of(t), stride=list(t.stride()))
+            staged.add(index)
+            continue
         if dense and pagemap_ok:
             found = _file_region(t, mappings, starts)
             if found is not None:
@@ -164,58 +243,89 @@ def share(
                         entry.update(kind="file", file=file_no, offset=offset,
                                      stride=list(t.stride()))
                         continue
-        stride = list(t.stride()) if dense else _contiguous_stride(t.shape)
-        blob_bytes = _align(blob_bytes)
-        entry.update(kind="blob", offset=blob_bytes, stride=stride)
-        blob_bytes += t.numel() * t.element_size()
-    t = None  # type: ignore[assignment]  # hold no tensor while writing (see "Peak memory")
+        entry.update(kind="blob", offset=None,
+                     stride=list(t.stride()) if dense else _contiguous_stride(t.shape))
+    return entries, files, staged
 
-    descriptor: dict[str, Any] = {
-        "version": DESCRIPTOR_VERSION, "pid": os.getpid(), "node": node_id(),
-        "fd": None, "nbytes": 0, "dev": None, "ino": None, "files": files, "tensors": entries,
-    }
+
+def _place(entries: list[dict[str, Any]], staged: set[int], *, start: int) -> int:
+    """Give every blob entry not in ``staged`` an offset from ``start`` on; returns the blob's
+    end (0 when there is no blob entry)."""
+    end = cursor = start
+    for index, entry in enumerate(entries):
+        if entry["kind"] != "blob":
+            continue
+        nbytes = TensorMeta.from_json(entry["meta"]).nbytes
+        if index not in staged:
+            entry["offset"] = cursor = aligned(cursor)
+            cursor += nbytes
+        end = max(end, cursor, entry["offset"] + nbytes)
+    return end if any(e["kind"] == "blob" for e in entries) else 0
+
+
+def _share_in_arena(tensors: Sequence[torch.Tensor], entries: list[dict[str, Any]],
+                    staged: set[int], descriptor: dict[str, Any], blob_bytes: int,
+                    arena: BlobArena, on_shared: Callable[[int, torch.Tensor], None] | None
+                    ) -> tuple[list[torch.Tensor], bool]:
+    """:func:`share` with the arena as the blob: the replacements, and whether the arena was
+    sealed (False when its writable mapping is still held elsewhere: the replacements are then
+    private views of an unsealed memfd, for the caller to copy into a new blob)."""
+    fd = arena.fd
+    assert fd is not None
+    for index, entry in enumerate(entries):
+        if entry["kind"] == "blob" and index not in staged:
+            _write(fd, tensors[index], entry)
+    kept = [(e["offset"], e["offset"] + TensorMeta.from_json(e["meta"]).nbytes)
+            for e in entries if e["kind"] == "blob"]
+    punched = arena.punch(kept)
+    os.ftruncate(fd, blob_bytes)  # the arena's unused tail
+    storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=False,
+                                             nbytes=blob_bytes)
     replacements: list[torch.Tensor] = []
-    if blob_bytes == 0:
-        for index, t in enumerate(tensors):
-            replacements.append(t)
-            if on_shared is not None:
-                on_shared(index, t)
-        _log_summary(descriptor)
-        return descriptor, replacements
+    for index, entry in enumerate(entries):
+        replacement = _replacement(storage, tensors[index], entry)
+        replacements.append(replacement)
+        if on_shared is not None:
+            on_shared(index, replacement)
+        del replacement
+    del storage
+    writable = arena.drop_writable()
+    if writable is not None and not writable.expired():
+        logger.debug("the arena's writable mapping is still held: copying into a new blob")
+        return replacements, False
+    fcntl.fcntl(fd, _F_ADD_SEALS, _SEALS)
+    st = os.fstat(fd)
+    _register(arena.hand_over(), blob_bytes)
+    descriptor.update(fd=fd, nbytes=blob_bytes, dev=st.st_dev, ino=st.st_ino)
+    logger.debug("converted tensors were written in place: %d of %d blob tensors copied, "
+                 "%d unused bytes given back", len(kept) - len(staged), len(kept), punched)
+    _log_summary(descriptor)
+    return replacements, True
 
-    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, blob_bytes)
-        # Map before writing: a private mapping sees the file's writes until a page is COW'd,
-        # and nothing touches these pages before they are written.
-        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=False,
-                                                 nbytes=blob_bytes)
-        for index, entry in enumerate(entries):
-            if entry["kind"] != "blob":
-                replacement = tensors[index]
-            else:
-                src = tensors[index].detach()
-                if not _is_dense(src):
-                    src = src.contiguous()
-                _pwrite_all(fd, src.data_ptr(), src.numel() * src.element_size(),
-                            entry["offset"])
-                replacement = _view(storage, entry["offset"], src.dtype, src.shape,
-                                    entry["stride"])
-                del src
-            replacements.append(replacement)
-            if on_shared is not None:
-                on_shared(index, replacement)
-            del replacement
-        fcntl.fcntl(fd, _F_ADD_SEALS, _SEALS)
-        st = os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        raise
+
+def _close_arena(arena: BlobArena) -> None:
+    arena.drop_writable()
+    if arena.fd is not None:
+        os.close(arena.hand_over())
+
+
+def _write(fd: int, tensor: torch.Tensor, entry: dict[str, Any]) -> None:
+    src = tensor.detach()
+    if not _is_dense(src):
+        src = src.contiguous()
+    _pwrite_all(fd, src.data_ptr(), src.numel() * src.element_size(), entry["offset"])
+
+
+def _replacement(storage: torch.UntypedStorage, tensor: torch.Tensor,
+                 entry: dict[str, Any]) -> torch.Tensor:
+    if entry["kind"] != "blob":
+        return tensor
+    return _view(storage, entry["offset"], tensor.dtype, tensor.shape, entry["stride"])
+
+
+def _register(fd: int, blob_bytes: int) -> None:
     with _OPEN_BLOBS_LOCK:
         _OPEN_BLOBS[fd] = blob_bytes
-    descriptor.update(fd=fd, nbytes=blob_bytes, dev=st.st_dev, ino=st.st_ino)
-    _log_summary(descriptor)
-    return descriptor, replacements
 
 
 def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -306,10 +416,6 @@ def release(descriptor: Mapping[str, Any]) -> None:
 
 
 # --- leader helpers -----------------------------------------------------------------------------
-
-
-def _align(offset: int) -> int:
-    return (offset + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 def _contiguous_stride(shape: Sequence[int]) -> list[int]:

@@ -1,0 +1,51 @@
+"""A node leader's converting load writes each tensor straight into the blob it will share.
+
+transformers 5 materialises every checkpoint tensor through ``core_model_loading.
+spawn_materialize`` (in its loading thread pool, or deferred): ``tensor[...]`` then
+``.to(device, dtype)``. Inside a leader's load whose transport prepared an arena
+(:meth:`patchload.transport.node_shm.ShmWeights.prepare`), a plain renamed tensor on the CPU
+whose dtype changes is instead converted into a region of the arena (``dest.copy_(src)``: the
+same kernel, so the same bytes, as ``.to``). Sharing then copies nothing
+(:func:`patchload.transport.shm.share`). Everything else (no conversion, a weight converter's
+inputs, sharding, another device, no room left) is materialised exactly as transformers does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ._patching import Patch
+from .coordination.call import current_mode
+
+__all__ = ["convert_patches"]
+
+_CPU = (None, "cpu")
+
+
+def _spawn_materialize(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+    """``transformers.core_model_loading.spawn_materialize``, converting into the arena."""
+    mode = current_mode()
+    arena = mode.used.get("arena") if mode is not None and mode.lead else None
+    if arena is None or len(args) != 4 or kwargs.get("sharding_op") is not None \
+            or kwargs.get("tensor_idx") is not None:  # a converter's input: not kept as is
+        return wrapped(*args, **kwargs)
+    thread_pool, tensor, device, dtype = args
+    if dtype is None or str(device) not in _CPU:
+        return wrapped(*args, **kwargs)
+    from transformers import core_model_loading
+
+    def job() -> Any:
+        src = tensor[...]  # what transformers materialises first (a view of the file mapping)
+        if src.dtype != dtype and src.device.type == "cpu" and src.is_contiguous():
+            dest = arena.take(src.shape, dtype)
+            if dest is not None:
+                return dest.copy_(src)
+        return core_model_loading._materialize_copy(src, device, dtype)
+
+    return thread_pool.submit(job) if thread_pool is not None else job
+
+
+def convert_patches() -> list[Patch]:
+    """The patch that lets a leader's converting load write into the blob it will share."""
+    return [Patch("transformers.core_model_loading", "spawn_materialize", _spawn_materialize)]
