@@ -361,7 +361,11 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
             node_mode.used.setdefault("headers", {}).update(weights.get("headers", {}))
             # What this node's followers initialise themselves: what the reading leader did.
             node_mode.used["loading_info"] = weights.get("loading_info")
-            return _settle(result, mode)
+            result = _settle(result, mode)
+            if "arena" in mode.used:  # received into it: the node's share copies nothing
+                node_mode.used["arena"] = mode.used.pop("arena")
+                mode.used.pop("joined", None)  # the model holds them now, and nothing else may
+            return result
 
         return coordinated(name, wrapped, args, kwargs, what=what, share=share, settle=settle,
                            abandon=_abandon, call=node_leaders_call(node_call))

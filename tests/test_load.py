@@ -279,7 +279,8 @@ def two_nodes_job(request: pytest.FixtureRequest, hub: Any,
         homes = [_nodes.NODE_LOCAL / "hf"] * 2
     else:
         homes = [root / "hf-node0", root / "hf-node1"]
-    envs = [job_env(hub.endpoint, home, root / "out", PLT_RECORD_ATTACHES="1") for home in homes]
+    envs = [job_env(hub.endpoint, home, root / "out", PLT_RECORD_ATTACHES="1",
+                    PATCHLOAD_LOG_LEVEL="DEBUG") for home in homes]
     job = run_torchrun(hub, "load", ["--cases", ",".join(NODE_CASES)], nproc=2, nnodes=2,
                        env=envs, timeout_s=JOB_TIMEOUT_S, hosts=hosts)
     job.extra.update(cache=cache, hosts=hosts)
@@ -309,6 +310,14 @@ def test_two_nodes_read_the_checkpoint_once_per_cache(two_nodes_job: Job,
             assert sorted(node_of[r] for r in readers) == [0, 1], (case, readers)
         window = two_nodes_job.window(case)
         assert {r.rank for r in window} <= set(readers), (case, window)
+    if two_nodes_job.extra["cache"] == "shared-cache":
+        # Node 1's leader received the broadcast straight into the blob it shares: the node
+        # holds one copy of the model (plus a bucket), never a private one beside the blob.
+        node1 = "\n".join(two_nodes_job.outputs[1:])
+        shares = re.findall(r"\[rank 2/4\][^\n]*: shared \d+ tensors \((\d+) bytes\) with this "
+                            r"node's ranks \((\d+) bytes copied", node1)
+        assert len(shares) == len(NODE_CASES), node1[-3000:]
+        assert all(copied == "0" and int(total) > 0 for total, copied in shares), shares
 
 
 # --- two jobs on one node ------------------------------------------------------------------------

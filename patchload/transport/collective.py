@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final, MutableMapping, Sequence
+from typing import Any, Callable, Final, MutableMapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -187,6 +187,7 @@ def broadcast(
     is_src: bool,
     bucket_bytes: int,
     device: str | torch.device = "cpu",
+    allocate: Callable[[TensorMeta], torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """Send tensors from one member to all others. **Collective** over ``group``.
 
@@ -207,11 +208,14 @@ def broadcast(
         bucket_bytes: the most bytes one broadcast carries; > 0.
         device: where buckets and received tensors live: ``"cpu"`` for gloo, this process's CUDA
             device for NCCL.
+        allocate: receivers: where a tensor is received (``allocate(meta)``: an uninitialised
+            contiguous tensor of the meta's shape and dtype on ``device``, or None for a fresh
+            one), e.g. a node leader's blob arena.
 
     Returns:
-        On the source, its input tensors (unchanged, same objects). On receivers, freshly
-        allocated contiguous tensors on ``device``, one per meta, each with its own storage,
-        bitwise equal to the source's.
+        On the source, its input tensors (unchanged, same objects). On receivers, contiguous
+        tensors on ``device``, one per meta (freshly allocated, each with its own storage, unless
+        ``allocate`` gave one), bitwise equal to the source's.
 
     Raises:
         ValueError: bad arguments, or ``is_src`` disagrees with the group rank.
@@ -262,7 +266,9 @@ def broadcast(
         if not is_src:
             for i, start, _, _ in bucket:
                 if start == 0:
-                    outputs[i] = torch.empty(metas[i].shape, dtype=dtypes[i], device=device)
+                    given = allocate(metas[i]) if allocate is not None else None
+                    outputs[i] = (given if given is not None else
+                                  torch.empty(metas[i].shape, dtype=dtypes[i], device=device))
         direct = None
         if len(bucket) == 1:
             i, start, n, _ = bucket[0]

@@ -28,6 +28,9 @@ from ..coordination.store import job_store
 if TYPE_CHECKING:
     import torch
 
+    from . import TensorMeta
+    from .arena import BlobArena
+
 __all__ = ["CollectiveWeights", "share_collective", "receive_collective"]
 
 logger = logging.getLogger(__name__)
@@ -84,12 +87,15 @@ def share_collective(call: Call, tensors: list[torch.Tensor]
     return payload, send
 
 
-def receive_collective(weights: dict[str, Any]) -> list[torch.Tensor] | None:
+def receive_collective(weights: dict[str, Any], arena: BlobArena | None = None
+                       ) -> list[torch.Tensor] | None:
     """Follower: receive the leader's tensors, or None when this rank loads them plainly instead.
 
     Collective over the members the leader published. None when this rank is not a member, or
     when the broadcast failed (a member died or the connection broke; logged as a WARNING naming
-    the ranks found gone): the caller then loads from the cache the leader filled.
+    the ranks found gone): the caller then loads from the cache the leader filled. With an
+    ``arena`` (a node leader that shares them in its node next), tensors are received straight
+    into it, as far as it has room.
     """
     from . import TensorMeta, TransportError
     from .collective import broadcast, private_group
@@ -108,7 +114,8 @@ def receive_collective(weights: dict[str, Any]) -> list[torch.Tensor] | None:
                               timeout_s=_state.config().group_timeout_s)
         try:
             return broadcast(group, metas, src_group_rank=0, is_src=False,
-                             bucket_bytes=_state.config().bucket_bytes)
+                             bucket_bytes=_state.config().bucket_bytes,
+                             allocate=None if arena is None else _into(arena))
         finally:
             group.close()
     except TransportError as err:
@@ -119,6 +126,12 @@ def receive_collective(weights: dict[str, Any]) -> list[torch.Tensor] | None:
                        ", ".join(f"rank {r} is gone" for r in gone) or "no member known to be "
                        "gone on this node", json.dumps(members), err)
         return None
+
+
+def _into(arena: BlobArena) -> Callable[[TensorMeta], torch.Tensor | None]:
+    from . import dtype_from_str
+
+    return lambda meta: arena.take(meta.shape, dtype_from_str(meta.dtype))
 
 
 class CollectiveWeights:
@@ -143,9 +156,20 @@ class CollectiveWeights:
 
     def receive(self, call: Call, weights: dict[str, Any],
                 used: dict[str, Any]) -> list[torch.Tensor] | None:
-        """See :func:`receive_collective`; joins the broadcast once per call."""
+        """See :func:`receive_collective`; joins the broadcast once per call. A node leader
+        that will share the tensors in its node (``PATCHLOAD_TRANSPORT=auto``, several nodes)
+        receives them into an arena, left in ``used["arena"]`` for that share."""
         if "joined" not in used:
-            used["joined"] = receive_collective(weights)
+            arena = None
+            if _state.config().transport != "collective":
+                from . import TensorMeta
+                from .arena import BlobArena, aligned
+
+                capacity = 0
+                for meta in weights["metas"]:
+                    capacity = aligned(capacity) + TensorMeta.from_json(meta).nbytes
+                arena = used["arena"] = BlobArena(capacity)
+            used["joined"] = receive_collective(weights, arena)
         return used["joined"]
 
     def abandon(self, call: Call, weights: dict[str, Any], used: dict[str, Any]) -> None:

@@ -101,8 +101,9 @@ class ShmWeights:
             self.shares.add(call, descriptor, mapping)
             self.mapped.add(model, mapping, f"{call.prefix()} {call.what}")
             del mapping
-        logger.info("%s: shared %d tensors (%d bytes) with this node's ranks", call.prefix(),
-                    len(entries), shared_bytes)
+        logger.info("%s: shared %d tensors (%d bytes) with this node's ranks (%d bytes copied "
+                    "into shared memory)", call.prefix(), len(entries), shared_bytes,
+                    descriptor["copied_bytes"])
         return {"descriptor": descriptor}, None
 
     def receive(self, call: Call, weights: dict[str, Any],

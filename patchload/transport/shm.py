@@ -121,7 +121,8 @@ def share(
     Returns:
         ``(descriptor, replacements)``. ``descriptor`` is JSON-able:
         ``{"version", "pid", "node", "fd", "nbytes", "dev", "ino", "files": [...],
-        "tensors": [...]}``; ``fd`` is None when nothing needed copying. ``replacements`` holds
+        "tensors": [...], "copied_bytes"}``; ``fd`` is None when no tensor is in a blob;
+        ``copied_bytes`` counts what was copied into it (not what an arena already held). ``replacements`` holds
         one tensor per input.
 
     Raises:
@@ -137,6 +138,7 @@ def share(
     descriptor: dict[str, Any] = {
         "version": DESCRIPTOR_VERSION, "pid": os.getpid(), "node": node_id(),
         "fd": None, "nbytes": 0, "dev": None, "ino": None, "files": files, "tensors": entries,
+        "copied_bytes": 0,
     }
     if arena is not None:
         blob_bytes = _place(entries, staged, start=arena.used)
@@ -172,7 +174,7 @@ def share(
                                                  nbytes=blob_bytes)
         for index, entry in enumerate(entries):
             if entry["kind"] == "blob":
-                _write(fd, tensors[index], entry)
+                descriptor["copied_bytes"] += _write(fd, tensors[index], entry)
             replacement = _replacement(storage, tensors[index], entry)
             replacements.append(replacement)
             if on_shared is not None:
@@ -274,7 +276,7 @@ def _share_in_arena(tensors: Sequence[torch.Tensor], entries: list[dict[str, Any
     assert fd is not None
     for index, entry in enumerate(entries):
         if entry["kind"] == "blob" and index not in staged:
-            _write(fd, tensors[index], entry)
+            descriptor["copied_bytes"] += _write(fd, tensors[index], entry)
     kept = [(e["offset"], e["offset"] + TensorMeta.from_json(e["meta"]).nbytes)
             for e in entries if e["kind"] == "blob"]
     punched = arena.punch(kept)
@@ -309,11 +311,14 @@ def _close_arena(arena: BlobArena) -> None:
         os.close(arena.hand_over())
 
 
-def _write(fd: int, tensor: torch.Tensor, entry: dict[str, Any]) -> None:
+def _write(fd: int, tensor: torch.Tensor, entry: dict[str, Any]) -> int:
+    """Write one tensor's bytes at its entry's offset; returns the byte count."""
     src = tensor.detach()
     if not _is_dense(src):
         src = src.contiguous()
-    _pwrite_all(fd, src.data_ptr(), src.numel() * src.element_size(), entry["offset"])
+    nbytes = src.numel() * src.element_size()
+    _pwrite_all(fd, src.data_ptr(), nbytes, entry["offset"])
+    return nbytes
 
 
 def _replacement(storage: torch.UntypedStorage, tensor: torch.Tensor,
