@@ -261,7 +261,7 @@ def broadcast(
     staged: tuple[int, torch.Tensor] | None = None
     total = 0
     for number, bucket in enumerate(plan):
-        length = sum(piece[2] for piece in bucket)
+        length = _length(bucket)
         total += length
         if not is_src:
             for i, start, _, _ in bucket:
@@ -275,11 +275,13 @@ def broadcast(
             owner = sources[i] if is_src else outputs[i]
             if owner.is_contiguous() and owner.device == device:  # type: ignore[union-attr]
                 direct = _bytes_of(owner)[start:start + n]  # type: ignore[arg-type]
+        elif not is_src:
+            direct = _laid_out_as(bucket, outputs, length)
         if direct is not None:
             buffer = direct
         else:
             if scratch is None:
-                scratch = torch.empty(max(sum(p[2] for p in b) for b in plan), dtype=torch.uint8,
+                scratch = torch.empty(max(_length(b) for b in plan), dtype=torch.uint8,
                                       device=device)
             buffer = scratch[:length]
             if is_src:
@@ -306,7 +308,33 @@ def broadcast(
 # --- helpers ------------------------------------------------------------------------------------
 
 # A bucket is a list of pieces (tensor index, first byte in the tensor, byte count, bucket offset).
+# Whole tensors in a bucket start at 64-byte aligned offsets, as in a blob (see _laid_out_as).
 _Piece = tuple[int, int, int, int]
+_ALIGN_BYTES: Final = 64
+
+
+def _length(bucket: list[_Piece]) -> int:
+    return max(offset + n for _, _, n, offset in bucket)
+
+
+def _laid_out_as(bucket: list[_Piece], outputs: list[torch.Tensor | None],
+                 length: int) -> torch.Tensor | None:
+    """The bytes the bucket's received tensors occupy, when they lie in one storage exactly as
+    in the bucket (a blob arena allocated them in order): the bucket is received there, with no
+    scratch copy. None otherwise."""
+    first = outputs[bucket[0][0]]
+    if first is None or not first.is_contiguous():
+        return None
+    storage, base = first.untyped_storage(), first.data_ptr()
+    for i, _, _, offset in bucket:
+        out = outputs[i]
+        if (out is None or not out.is_contiguous() or out.untyped_storage().data_ptr()
+                != storage.data_ptr() or out.data_ptr() - base != offset):
+            return None
+    start = base - storage.data_ptr()
+    if start + length > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (length,))
 
 
 def _plan(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[_Piece]]:
@@ -324,11 +352,12 @@ def _plan(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[_Piece]]:
             for start in range(0, m.nbytes, bucket_bytes):
                 buckets.append([(i, start, min(bucket_bytes, m.nbytes - start), 0)])
             continue
-        if filled + m.nbytes > bucket_bytes:
+        start = (filled + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
+        if current and start + m.nbytes > bucket_bytes:
             buckets.append(current)
-            current, filled = [], 0
-        current.append((i, 0, m.nbytes, filled))
-        filled += m.nbytes
+            current, start = [], 0
+        current.append((i, 0, m.nbytes, start))
+        filled = start + m.nbytes
     if current:
         buckets.append(current)
     return buckets
