@@ -30,6 +30,7 @@ from . import _state
 from ._compat import describe_loading_info, initialized_by_follower, loaded_from_leader
 from ._patching import Patch
 from ._tensors import entries_of, named_tensors, owner
+from ._writes import write_patches
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
@@ -414,46 +415,10 @@ def _auto_classes(module: Any) -> list[str]:
             and "from_pretrained" in vars(obj)]
 
 
-def _before_ddp(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> Any:
-    """``DistributedDataParallel.__init__``: its broadcast writes every parameter and buffer of
-    the module on ranks other than 0, and training follows (see :mod:`patchload._writes`)."""
-    module = args[0] if args else kwargs.get("module")
-    if _SHM.mapped and module is not None:
-        _before_writes(lambda: _tensors_of(module), "wrapped in DistributedDataParallel")
-    return wrapped(*args, **kwargs)
-
-
-def _after_param_group(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> Any:
-    """``Optimizer.add_param_group``: its step will write the group's parameters that require
-    a gradient (see :mod:`patchload._writes`)."""
-    result = wrapped(*args, **kwargs)
-    if _SHM.mapped:
-        _before_writes(lambda: [p for p in instance.param_groups[-1]["params"]
-                                if p.requires_grad], f"given to {type(instance).__name__}")
-    return result
-
-
-def _before_writes(tensors: Callable[[], list[torch.Tensor]], why: str) -> None:
-    """Copy the mapped models among ``tensors()`` out; never raises into the user's call (an
-    argument the wrapped call itself rejects, say): they then stay on copy-on-write."""
-    try:
-        _SHM.mapped.before_writes(tensors(), why)
-    except Exception as err:  # noqa: BLE001 - equal values either way; the user's call goes on
-        logger.debug("%s: not copying shared weights out: %s: %s", why, type(err).__name__, err)
-
-
-def _tensors_of(module: Any) -> list[torch.Tensor]:
-    return list(module.parameters()) + list(module.buffers())
-
-
 def load_patches() -> list[Patch]:
     """The patches for model loading: ``from_pretrained`` and the checkpoint-reading step, and
     the calls announcing that loaded weights will be written."""
-    return [
-        Patch("torch.nn.parallel.distributed", "DistributedDataParallel.__init__", _before_ddp),
-        Patch("torch.optim.optimizer", "Optimizer.add_param_group", _after_param_group),
+    return write_patches(_SHM.mapped) + [
         Patch("transformers.modeling_utils", "PreTrainedModel.from_pretrained", from_pretrained),
         Patch("transformers.models.auto.modeling_auto", "", from_pretrained,
               expand=_auto_classes),
