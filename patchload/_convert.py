@@ -19,7 +19,7 @@ from .coordination.call import current_mode
 
 __all__ = ["convert_patches"]
 
-_CPU = (None, "cpu")
+_CPU = ("None", "cpu")  # str() of the device transformers passes
 
 
 def _spawn_materialize(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],

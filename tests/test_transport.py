@@ -349,9 +349,11 @@ def test_plan_splits_large_tensors_and_packs_small_ones():
     from patchload.transport import TensorMeta
     from patchload.transport.collective import _plan
 
-    metas = [TensorMeta((n,), "uint8", n) for n in (3, 4, 0, 10, 2, 2)]
-    assert _plan(metas, 8) == [[(0, 0, 3, 0), (1, 0, 4, 3)], [(3, 0, 8, 0)], [(3, 8, 2, 0)],
-                               [(4, 0, 2, 0), (5, 0, 2, 2)]]
+    # Whole tensors start at 64-byte aligned offsets in their bucket (as in a blob).
+    metas = [TensorMeta((n,), "uint8", n) for n in (3, 4, 0, 300, 2, 70, 2)]
+    assert _plan(metas, 128) == [[(0, 0, 3, 0), (1, 0, 4, 64)], [(3, 0, 128, 0)],
+                                 [(3, 128, 128, 0)], [(3, 256, 44, 0)], [(4, 0, 2, 0)],
+                                 [(5, 0, 70, 0)], [(6, 0, 2, 0)]]
 
 
 # --- shm ----------------------------------------------------------------------------------------
@@ -676,11 +678,79 @@ def test_shm_share_copies_into_a_new_blob_when_the_arena_is_still_writable_elsew
                               arena=arena)
     try:
         assert arena.fd is None and descriptor["fd"] is not None
+        assert torch.equal(kept_view, torch.full((2,), 3.0))          # its holder lost nothing
         kept_view.fill_(9)                                             # reaches neither copy
         assert torch.equal(tensors[0], torch.full((10,), 3.0))
         assert torch.equal(shm.attach(descriptor)[0], torch.full((10,), 3.0))
     finally:
         shm.release(descriptor)
+
+
+def test_shm_share_grows_the_arena_when_the_load_wrote_more_than_the_skeleton_holds():
+    from patchload.transport import shm
+    from patchload.transport.arena import BlobArena
+
+    arena = BlobArena(4096)                    # sized from the skeleton
+    converted = arena.take((512,), torch.float32)
+    converted.copy_(torch.arange(512.0))
+    tensors = [converted, torch.arange(10_000.0)]  # e.g. a mismatched, larger checkpoint tensor
+    del converted
+    fd = arena.fd
+    descriptor, _ = shm.share(tensors, on_shared=lambda i, r: tensors.__setitem__(i, r),
+                              arena=arena)
+    try:
+        assert descriptor["fd"] == fd and descriptor["copied_bytes"] == 40_000
+        assert [torch.equal(t, w) for t, w in zip(shm.attach(descriptor),
+                                                  [torch.arange(512.0), torch.arange(10_000.0)])
+                ] == [True, True]
+    finally:
+        shm.release(descriptor)
+
+
+def test_leader_whose_share_fails_holds_no_writable_shared_mapping(monkeypatch):
+    """A forked child (a DataLoader worker) must not write into the leader's weights, as with a
+    plain load's private memory: a failed share leaves the model out of the arena."""
+    from patchload.transport import shm
+    from patchload.transport.node_shm import ShmWeights
+
+    class FakeCall:
+        what = "from_pretrained('x')"
+
+        def prefix(self) -> str:
+            return "[rank 0/2]"
+
+    model = torch.nn.Linear(100, 100)
+    transport = ShmWeights()
+    used: dict = {}
+    transport.prepare(FakeCall(), model, used)  # type: ignore[arg-type]
+    for name in ("weight", "bias"):
+        setattr(model, name, torch.nn.Parameter(used["arena"].take(
+            getattr(model, name).shape, torch.float32).copy_(getattr(model, name).detach())))
+    expected = [t.detach().clone() for t in model.parameters()]
+    arena = used["arena"]
+    assert all(arena.owns(t) for t in model.parameters())
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm, "_share_in_arena", no_space)
+    from patchload._tensors import entries_of
+
+    entries, unique = entries_of(model)
+    try:
+        transport.share(FakeCall(), model, entries, unique, used)  # type: ignore[arg-type]
+    except OSError:
+        transport.discard(model, used)  # what _load._share does
+    else:
+        raise AssertionError("share did not fail")
+    assert not any(arena.owns(t) for t in model.parameters())
+    del unique, arena
+    gc.collect()
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        shared_writable = [line for line in maps if "memfd:patchload" in line
+                           and line.split()[1][3] == "s"]
+    assert shared_writable == []
+    assert [torch.equal(t, w) for t, w in zip(model.parameters(), expected)] == [True, True]
 
 
 def test_shm_rejects_non_cpu_and_bad_descriptors(tmp_path):

@@ -21,7 +21,7 @@ import math
 import os
 import threading
 import weakref
-from typing import Any, Final, Sequence
+from typing import Final, Sequence
 
 import torch
 
@@ -52,6 +52,7 @@ class BlobArena:
         self.used = 0  # bytes handed out, alignment included
         self.fd: int | None = None
         self.writable: torch.UntypedStorage | None = None  # the MAP_SHARED mapping
+        self.base: int | None = None  # its address, kept once it is dropped (see owns)
         self._lock = threading.Lock()
         self._closer: weakref.finalize | None = None
 
@@ -88,17 +89,18 @@ class BlobArena:
             self.capacity = 0
             return False
         self.fd = fd
+        self.base = self.writable.data_ptr()
         return True
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` views this arena's writable mapping."""
-        return (self.writable is not None
-                and tensor.untyped_storage().data_ptr() == self.writable.data_ptr())
+        """Whether ``tensor`` views this arena's writable mapping (also once the arena dropped
+        it or closed: the tensor then keeps the mapping alive)."""
+        return self.base is not None and tensor.untyped_storage().data_ptr() == self.base
 
     def offset_of(self, tensor: torch.Tensor) -> int:
         """Byte offset of an owned tensor's first element in the memfd."""
-        assert self.writable is not None
-        return tensor.data_ptr() - self.writable.data_ptr()
+        assert self.base is not None
+        return tensor.data_ptr() - self.base
 
     def punch(self, kept: list[tuple[int, int]]) -> int:
         """Give back the pages of ``[0, used)`` outside the ``(start, end)`` ranges in ``kept``
@@ -125,15 +127,22 @@ class BlobArena:
         fd, self.fd = self.fd, None
         return fd
 
-    def drop_writable(self) -> weakref.ReferenceType[Any] | None:
-        """Forget the writable mapping; returns a way to tell whether anything else holds it."""
+    def drop_writable(self) -> bool:
+        """Forget the writable mapping; returns whether it is gone (nothing else held it)."""
         if self.writable is None:
-            return None
+            return True
         from torch.multiprocessing.reductions import StorageWeakRef
 
         ref = StorageWeakRef(self.writable)
         self.writable = None
-        return ref  # type: ignore[return-value]
+        return bool(ref.expired())
+
+    def close(self) -> None:
+        """Drop the writable mapping and close the fd (tensors still viewing the mapping keep
+        it, as private memory of this process). Idempotent."""
+        self.drop_writable()
+        if self.fd is not None:
+            os.close(self.hand_over())
 
 
 def _punch_hole(fd: int, offset: int, length: int) -> bool:

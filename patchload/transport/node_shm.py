@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from .._shares import OpenShares
@@ -60,15 +59,14 @@ class ShmWeights:
         shared mapping would be shared with a forked child, where a plain load's memory is
         copy-on-write), then close it."""
         arena = used.pop("arena", None)
-        if arena is None or arena.fd is None:
+        if arena is None or arena.base is None:  # never opened: nothing was converted into it
             return
         entries, unique = entries_of(model)
         for index, tensor in enumerate(unique):
             if arena.owns(tensor):
                 repoint(model, entries, index, tensor.detach().clone())
         del unique
-        os.close(arena.hand_over())
-        arena.drop_writable()
+        arena.close()
 
     def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
               tensors: list[torch.Tensor], used: dict[str, Any]
@@ -94,7 +92,9 @@ class ShmWeights:
                 _trim_heap()
                 freed_bytes = 0
 
-        descriptor, _ = shm.share(pending, on_shared=on_shared, arena=used.pop("arena", None))
+        # The arena stays in used until the share succeeded: discard() needs it otherwise.
+        descriptor, _ = shm.share(pending, on_shared=on_shared, arena=used.get("arena"))
+        used.pop("arena", None)
         _trim_heap()
         if descriptor.get("fd") is not None:  # followers open the blob through this process
             mapping = _blob_storage(descriptor, pending)

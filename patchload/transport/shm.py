@@ -122,8 +122,8 @@ def share(
         ``(descriptor, replacements)``. ``descriptor`` is JSON-able:
         ``{"version", "pid", "node", "fd", "nbytes", "dev", "ino", "files": [...],
         "tensors": [...], "copied_bytes"}``; ``fd`` is None when no tensor is in a blob;
-        ``copied_bytes`` counts what was copied into it (not what an arena already held). ``replacements`` holds
-        one tensor per input.
+        ``copied_bytes`` counts what was copied into it (not what an arena already held).
+        ``replacements`` holds one tensor per input.
 
     Raises:
         TypeError: an entry is not a tensor.
@@ -140,20 +140,20 @@ def share(
         "fd": None, "nbytes": 0, "dev": None, "ino": None, "files": files, "tensors": entries,
         "copied_bytes": 0,
     }
-    if arena is not None:
+    if arena is not None and any(e["kind"] == "blob" for e in entries):
         blob_bytes = _place(entries, staged, start=arena.used)
-        if blob_bytes <= arena.capacity:
-            replacements, sealed = _share_in_arena(tensors, entries, staged, descriptor,
-                                                   blob_bytes, arena, on_shared)
-            if sealed:
-                return descriptor, replacements
-            # Something still holds the writable mapping, so the arena cannot be sealed: copy
-            # from the leader's private views of it into a new blob.
-            tensors = replacements
-            del replacements
-        _close_arena(arena)
+        replacements, sealed = _share_in_arena(tensors, entries, staged, descriptor,
+                                               blob_bytes, arena, on_shared)
+        if sealed:
+            return descriptor, replacements
+        # Something still holds the writable mapping, so the arena cannot be sealed: copy from
+        # the leader's private views of it into a new blob.
+        tensors = replacements
+        del replacements
         entries, files, _ = _describe(tensors, None)
-        descriptor.update(tensors=entries, files=files)
+        descriptor.update(tensors=entries, files=files, copied_bytes=0)
+    if arena is not None:
+        arena.close()
     blob_bytes = _place(entries, set(), start=0)
 
     replacements: list[torch.Tensor] = []
@@ -271,30 +271,36 @@ def _share_in_arena(tensors: Sequence[torch.Tensor], entries: list[dict[str, Any
                     ) -> tuple[list[torch.Tensor], bool]:
     """:func:`share` with the arena as the blob: the replacements, and whether the arena was
     sealed (False when its writable mapping is still held elsewhere: the replacements are then
-    private views of an unsealed memfd, for the caller to copy into a new blob)."""
+    private views of an unsealed memfd, for the caller to copy into a new blob, and whatever
+    holds the writable mapping still sees every byte it saw).
+
+    Each tensor not yet in the arena is written after its end (which grows the memfd when the
+    load wrote more than the skeleton's bytes) and re-pointed at once, as in :func:`share`: the
+    leader never holds a private original beside its copy longer than one tensor."""
     fd = arena.fd
     assert fd is not None
-    for index, entry in enumerate(entries):
-        if entry["kind"] == "blob" and index not in staged:
-            descriptor["copied_bytes"] += _write(fd, tensors[index], entry)
-    kept = [(e["offset"], e["offset"] + TensorMeta.from_json(e["meta"]).nbytes)
-            for e in entries if e["kind"] == "blob"]
-    punched = arena.punch(kept)
-    os.ftruncate(fd, blob_bytes)  # the arena's unused tail
+    if blob_bytes > arena.capacity:
+        os.ftruncate(fd, blob_bytes)
     storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=False,
                                              nbytes=blob_bytes)
     replacements: list[torch.Tensor] = []
     for index, entry in enumerate(entries):
+        if entry["kind"] == "blob" and index not in staged:
+            descriptor["copied_bytes"] += _write(fd, tensors[index], entry)
         replacement = _replacement(storage, tensors[index], entry)
         replacements.append(replacement)
         if on_shared is not None:
             on_shared(index, replacement)
         del replacement
     del storage
-    writable = arena.drop_writable()
-    if writable is not None and not writable.expired():
+    if not arena.drop_writable():
         logger.debug("the arena's writable mapping is still held: copying into a new blob")
         return replacements, False
+    # Nothing but the private mapping sees the memfd now: give back what no tensor uses.
+    kept = [(e["offset"], e["offset"] + TensorMeta.from_json(e["meta"]).nbytes)
+            for e in entries if e["kind"] == "blob"]
+    punched = arena.punch(kept)
+    os.ftruncate(fd, blob_bytes)
     fcntl.fcntl(fd, _F_ADD_SEALS, _SEALS)
     st = os.fstat(fd)
     _register(arena.hand_over(), blob_bytes)
@@ -303,12 +309,6 @@ def _share_in_arena(tensors: Sequence[torch.Tensor], entries: list[dict[str, Any
                  "%d unused bytes given back", len(kept) - len(staged), len(kept), punched)
     _log_summary(descriptor)
     return replacements, True
-
-
-def _close_arena(arena: BlobArena) -> None:
-    arena.drop_writable()
-    if arena.fd is not None:
-        os.close(arena.hand_over())
 
 
 def _write(fd: int, tensor: torch.Tensor, entry: dict[str, Any]) -> int:
