@@ -1,8 +1,11 @@
 """The ``"shm"`` transport: one sealed memfd blob per load, mapped copy-on-write by the node.
 
-The node leader writes its loaded tensors into one blob (:func:`patchload.transport.shm.share`),
-re-pointing each of its own tensors at the blob as soon as it is written (so it never holds two
-copies), and keeps the blob's fd open for its followers (:class:`patchload._shares.OpenShares`).
+The node leader's tensors end in one blob (:func:`patchload.transport.shm.share`): a converting
+load writes them there as it converts (:meth:`ShmWeights.prepare` makes the arena,
+:mod:`patchload._convert` fills it), and so does a node leader receiving a broadcast from another
+node; any other tensor is copied in, each of the leader's tensors re-pointed at the blob as soon
+as it is there (so it never holds two copies). The leader keeps the blob's fd open for its
+followers (:class:`patchload._shares.OpenShares`).
 Followers map it (:func:`patchload.transport.shm.attach`). Every model mapping a blob is tracked
 (:class:`patchload._writes.MappedModels`) so that its weights leave the shared copy before they
 are written.
