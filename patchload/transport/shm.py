@@ -156,8 +156,8 @@ def share(
         arena.close()
     blob_bytes = _place(entries, set(), start=0)
 
-    replacements: list[torch.Tensor] = []
     if blob_bytes == 0:
+        replacements: list[torch.Tensor] = []
         for index, t in enumerate(tensors):
             replacements.append(t)
             if on_shared is not None:
@@ -168,18 +168,7 @@ def share(
     fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, blob_bytes)
-        # Map before writing: a private mapping sees the file's writes until a page is COW'd,
-        # and nothing touches these pages before they are written.
-        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=False,
-                                                 nbytes=blob_bytes)
-        for index, entry in enumerate(entries):
-            if entry["kind"] == "blob":
-                descriptor["copied_bytes"] += _write(fd, tensors[index], entry)
-            replacement = _replacement(storage, tensors[index], entry)
-            replacements.append(replacement)
-            if on_shared is not None:
-                on_shared(index, replacement)
-            del replacement
+        replacements = _fill(fd, blob_bytes, tensors, entries, set(), descriptor, on_shared)
         fcntl.fcntl(fd, _F_ADD_SEALS, _SEALS)
         st = os.fstat(fd)
     except BaseException:
@@ -281,18 +270,7 @@ def _share_in_arena(tensors: Sequence[torch.Tensor], entries: list[dict[str, Any
     assert fd is not None
     if blob_bytes > arena.capacity:
         os.ftruncate(fd, blob_bytes)
-    storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=False,
-                                             nbytes=blob_bytes)
-    replacements: list[torch.Tensor] = []
-    for index, entry in enumerate(entries):
-        if entry["kind"] == "blob" and index not in staged:
-            descriptor["copied_bytes"] += _write(fd, tensors[index], entry)
-        replacement = _replacement(storage, tensors[index], entry)
-        replacements.append(replacement)
-        if on_shared is not None:
-            on_shared(index, replacement)
-        del replacement
-    del storage
+    replacements = _fill(fd, blob_bytes, tensors, entries, staged, descriptor, on_shared)
     if not arena.drop_writable():
         logger.debug("the arena's writable mapping is still held: copying into a new blob")
         return replacements, False
@@ -309,6 +287,27 @@ def _share_in_arena(tensors: Sequence[torch.Tensor], entries: list[dict[str, Any
                  "%d unused bytes given back", len(kept) - len(staged), len(kept), punched)
     _log_summary(descriptor)
     return replacements, True
+
+
+def _fill(fd: int, blob_bytes: int, tensors: Sequence[torch.Tensor],
+          entries: list[dict[str, Any]], staged: set[int], descriptor: dict[str, Any],
+          on_shared: Callable[[int, torch.Tensor], None] | None) -> list[torch.Tensor]:
+    """Write each blob tensor not in ``staged`` at its offset and hand over its replacement (a
+    view of a private mapping of the blob) at once, in order; returns the replacements."""
+    # Mapped before writing: a private mapping sees the file's writes until a page is COW'd,
+    # and nothing touches these pages before they are written.
+    storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=False,
+                                             nbytes=blob_bytes)
+    replacements: list[torch.Tensor] = []
+    for index, entry in enumerate(entries):
+        if entry["kind"] == "blob" and index not in staged:
+            descriptor["copied_bytes"] += _write(fd, tensors[index], entry)
+        replacement = _replacement(storage, tensors[index], entry)
+        replacements.append(replacement)
+        if on_shared is not None:
+            on_shared(index, replacement)
+        del replacement
+    return replacements
 
 
 def _write(fd: int, tensor: torch.Tensor, entry: dict[str, Any]) -> int:
