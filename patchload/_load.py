@@ -363,9 +363,13 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
             # What this node's followers initialise themselves: what the reading leader did.
             node_mode.used["loading_info"] = weights.get("loading_info")
             result = _settle(result, mode)
-            if "arena" in mode.used:  # received into it: the node's share copies nothing
-                node_mode.used["arena"] = mode.used.pop("arena")
-                mode.used.pop("joined", None)  # the model holds them now, and nothing else may
+            arena = mode.used.pop("arena", None)
+            if arena is not None and mode.used.pop("joined", None) is not None:
+                # Received into it (the model holds the tensors now, nothing else may): the
+                # node's share copies nothing.
+                node_mode.used["arena"] = arena
+            elif arena is not None:  # the broadcast failed: this rank loaded plainly
+                arena.close()
             return result
 
         return coordinated(name, wrapped, args, kwargs, what=what, share=share, settle=settle,
