@@ -21,11 +21,11 @@ import math
 import os
 import threading
 import weakref
-from typing import Final, Sequence
+from typing import Final, Iterable, Sequence
 
 import torch
 
-__all__ = ["BlobArena"]
+__all__ = ["BlobArena", "aligned", "capacity_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,14 @@ _FALLOC_FL_PUNCH_HOLE: Final = 0x02
 def aligned(offset: int) -> int:
     """``offset`` rounded up to the blob's alignment (64 bytes)."""
     return (offset + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def capacity_for(sizes: Iterable[int]) -> int:
+    """Bytes of a blob holding tensors of ``sizes`` bytes one after another, each aligned."""
+    end = 0
+    for nbytes in sizes:
+        end = aligned(end) + nbytes
+    return end
 
 
 class BlobArena:

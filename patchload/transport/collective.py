@@ -31,6 +31,7 @@ from patchload.transport import (
     dtype_from_str,
     meta_of,
 )
+from patchload.transport.arena import aligned
 
 __all__ = ["PrivateGroup", "private_group", "broadcast"]
 
@@ -310,7 +311,6 @@ def broadcast(
 # A bucket is a list of pieces (tensor index, first byte in the tensor, byte count, bucket offset).
 # Whole tensors in a bucket start at 64-byte aligned offsets, as in a blob (see _laid_out_as).
 _Piece = tuple[int, int, int, int]
-_ALIGN_BYTES: Final = 64
 
 
 def _length(bucket: list[_Piece]) -> int:
@@ -352,7 +352,7 @@ def _plan(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[_Piece]]:
             for start in range(0, m.nbytes, bucket_bytes):
                 buckets.append([(i, start, min(bucket_bytes, m.nbytes - start), 0)])
             continue
-        start = (filled + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
+        start = aligned(filled)
         if current and start + m.nbytes > bucket_bytes:
             buckets.append(current)
             current, start = [], 0

@@ -163,12 +163,10 @@ class CollectiveWeights:
             arena = None
             if _state.config().transport != "collective":
                 from . import TensorMeta
-                from .arena import BlobArena, aligned
+                from .arena import BlobArena, capacity_for
 
-                capacity = 0
-                for meta in weights["metas"]:
-                    capacity = aligned(capacity) + TensorMeta.from_json(meta).nbytes
-                arena = used["arena"] = BlobArena(capacity)
+                arena = used["arena"] = BlobArena(capacity_for(
+                    TensorMeta.from_json(meta).nbytes for meta in weights["metas"]))
             used["joined"] = receive_collective(weights, arena)
         return used["joined"]
 

@@ -50,12 +50,10 @@ class ShmWeights:
         """Leader: an arena the size of ``model``'s tensors (their skeleton dtypes), which a
         converting load writes into (:mod:`patchload._convert`): sharing then copies nothing.
         The memfd is made on the first conversion; a load that converts nothing makes none."""
-        from .arena import BlobArena, aligned
+        from .arena import BlobArena, capacity_for
 
-        capacity = 0
-        for tensor in entries_of(model)[1]:
-            capacity = aligned(capacity) + tensor.numel() * tensor.element_size()
-        used["arena"] = BlobArena(capacity)
+        used["arena"] = BlobArena(capacity_for(t.numel() * t.element_size()
+                                               for t in entries_of(model)[1]))
 
     def discard(self, model: torch.nn.Module, used: dict[str, Any]) -> None:
         """Leader: move ``model``'s tensors out of the arena into private memory (a writable
