@@ -9,9 +9,8 @@ closed as soon as every follower that arrived at the call is done with it (or it
 gone), and every rank of the node that has not arrived yet is waited for until ``_LATE_S``
 seconds after the share; from then on the blob lives only as long as some follower's tensors
 map it. A thread of the leader watches its mappings (no store request while they live); at
-exit the leader waits
-(at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived, then closes
-every blob. A rank that reaches the call after its blob is closed loads from the cache the
+exit the leader waits (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that
+arrived, then closes every blob. A rank that reaches the call after its blob is closed loads from the cache the
 leader filled (with a warning).
 """
 
