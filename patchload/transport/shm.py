@@ -72,6 +72,11 @@ class _Mapping:
     path: str
 
 
+# A pagemap entry's top byte -> 1 if the page was written by this process: present (0x80) and
+# not file-backed (0x20), or swapped (0x40).
+_WRITTEN: Final = bytes(int((v & 0xA0) == 0x80 or bool(v & 0x40)) for v in range(256))
+
+
 def share(
     tensors: Sequence[torch.Tensor],
     *,
@@ -198,9 +203,26 @@ def _describe(tensors: Sequence[torch.Tensor], arena: BlobArena | None
     starts = [m.start for m in mappings]
     files: list[dict[str, Any]] = []
     file_index: dict[str, int] = {}
+    try:
+        pagemap: int | None = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        pagemap = None
+    try:
+        entries, staged = _entries(tensors, arena, mappings, starts, pagemap, files, file_index)
+    finally:
+        if pagemap is not None:
+            os.close(pagemap)
+    return entries, files, staged
+
+
+def _entries(tensors: Sequence[torch.Tensor], arena: BlobArena | None,
+             mappings: list[_Mapping], starts: list[int], pagemap: int | None,
+             files: list[dict[str, Any]], file_index: dict[str, int]
+             ) -> tuple[list[dict[str, Any]], set[int]]:
     pagemap_ok = True
     entries: list[dict[str, Any]] = []
     staged: set[int] = set()
+    written: dict[int, bytes] = {}  # mapping start -> which of its pages were written
     for index, t in enumerate(tensors):
         t = t.detach()
         entry: dict[str, Any] = {"meta": meta_of(t).to_json()}
@@ -217,7 +239,8 @@ def _describe(tensors: Sequence[torch.Tensor], arena: BlobArena | None
             found = _file_region(t, mappings, starts)
             if found is not None:
                 mapping, offset = found
-                clean = _pages_unmodified(t.data_ptr(), t.numel() * t.element_size())
+                clean = _pages_unmodified(pagemap, written, mapping, t.data_ptr(),
+                                          t.numel() * t.element_size())
                 if clean is None:
                     pagemap_ok = False
                     logger.warning("cannot read /proc/self/pagemap: file-backed tensors are "
@@ -236,7 +259,7 @@ def _describe(tensors: Sequence[torch.Tensor], arena: BlobArena | None
                         continue
         entry.update(kind="blob", offset=None,
                      stride=list(t.stride()) if dense else _contiguous_stride(t.shape))
-    return entries, files, staged
+    return entries, staged
 
 
 def _place(entries: list[dict[str, Any]], staged: set[int], *, start: int) -> int:
@@ -446,11 +469,18 @@ def _read_maps() -> list[_Mapping]:
     out: list[_Mapping] = []
     with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
-            parts = line.rstrip("\n").split(maxsplit=5)
-            if len(parts) < 6 or not parts[5].startswith("/"):
+            at = line.find(" /")
+            if at < 0:  # anonymous memory
                 continue
-            path = parts[5]
-            if path.endswith(" (deleted)") or path.startswith("/memfd:"):
+            at += 1
+            path = line[at:].rstrip("\n")
+            base = path[path.rfind("/") + 1:]
+            # Shared libraries (hundreds of lines, never a checkpoint) are skipped before parsing.
+            if base.endswith(".so") or ".so." in base or path.endswith(" (deleted)") \
+                    or path.startswith("/memfd:"):
+                continue
+            parts = line[:at].split()
+            if len(parts) < 5:
                 continue
             start, end = (int(x, 16) for x in parts[0].split("-"))
             perms = parts[1]
@@ -486,32 +516,35 @@ def _file_region(t: torch.Tensor, mappings: list[_Mapping],
     return m, offset
 
 
-def _pages_unmodified(address: int, nbytes: int) -> bool | None:
-    """Whether no page of ``[address, address + nbytes)`` is private (COW'd or swapped) memory.
+def _pages_unmodified(pagemap: int | None, written: dict[int, bytes], mapping: _Mapping,
+                      address: int, nbytes: int) -> bool | None:
+    """Whether no page of ``[address, address + nbytes)`` (inside ``mapping``) is private
+    (COW'd or swapped) memory.
 
-    Reads ``/proc/self/pagemap``: bit 63 present, bit 62 swapped, bit 61 file-backed. A page
-    that is present and not file-backed, or swapped, was written by this process. Returns None
-    when pagemap cannot be read.
+    Reads ``/proc/self/pagemap`` (``pagemap``: an fd open on it) once per mapping, cached in
+    ``written``: bit 63 present, bit 62 swapped, bit 61 file-backed. A page that is present and
+    not file-backed, or swapped, was written by this process. Returns None when pagemap cannot
+    be read.
     """
     page = mmap.PAGESIZE
-    first = address // page
-    count = (address + nbytes - 1) // page - first + 1
-    try:
-        with open("/proc/self/pagemap", "rb", buffering=0) as f:
-            f.seek(first * 8)
-            raw = bytearray()
-            while len(raw) < count * 8:
-                chunk = f.read(count * 8 - len(raw))
+    if mapping.start not in written:
+        if pagemap is None:
+            return None
+        size = (mapping.end - mapping.start) // page * 8
+        raw = bytearray()
+        try:
+            while len(raw) < size:
+                chunk = os.pread(pagemap, size - len(raw), mapping.start // page * 8 + len(raw))
                 if not chunk:
                     return None
                 raw += chunk
-    except OSError:
-        return None
-    flags = torch.frombuffer(raw, dtype=torch.int64)
-    present = flags < 0
-    swapped = ((flags >> 62) & 1).bool()
-    file_backed = ((flags >> 61) & 1).bool()
-    return not bool(((present & ~file_backed) | swapped).any())
+        except OSError:
+            return None
+        # Each entry's top byte (little-endian) holds the three bits: one flag byte per page.
+        written[mapping.start] = bytes(raw[7::8]).translate(_WRITTEN)
+    first = (address - mapping.start) // page
+    last = (address + nbytes - 1 - mapping.start) // page
+    return written[mapping.start].find(b"\x01", first, last + 1) < 0
 
 
 def _file_identity(path: str) -> dict[str, Any] | None:
