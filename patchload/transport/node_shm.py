@@ -47,27 +47,12 @@ class ShmWeights:
         self.mapped = MappedModels()
 
     def prepare(self, call: Call, model: torch.nn.Module, used: dict[str, Any]) -> None:
-        """Leader: an arena the size of ``model``'s tensors (their skeleton dtypes), which a
-        converting load writes into (:mod:`patchload._convert`): sharing then copies nothing.
-        The memfd is made on the first conversion; a load that converts nothing makes none."""
-        from .arena import BlobArena, capacity_for
-
-        used["arena"] = BlobArena(capacity_for(t.numel() * t.element_size()
-                                               for t in entries_of(model)[1]))
+        """Leader: see :func:`prepare_arena`."""
+        prepare_arena(model, used)
 
     def discard(self, model: torch.nn.Module, used: dict[str, Any]) -> None:
-        """Leader: move ``model``'s tensors out of the arena into private memory (a writable
-        shared mapping would be shared with a forked child, where a plain load's memory is
-        copy-on-write), then close it."""
-        arena = used.pop("arena", None)
-        if arena is None or arena.base is None:  # never opened: nothing was converted into it
-            return
-        entries, unique = entries_of(model)
-        for index, tensor in enumerate(unique):
-            if arena.owns(tensor):
-                repoint(model, entries, index, tensor.detach().clone())
-        del unique
-        arena.close()
+        """Leader: see :func:`discard_arena`."""
+        discard_arena(model, used)
 
     def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
               tensors: list[torch.Tensor], used: dict[str, Any]
@@ -82,13 +67,16 @@ class ShmWeights:
         shared_bytes = sum(t.numel() * t.element_size() for t in tensors)
         pending = [t.detach() for t in tensors]
         tensors.clear()
-        freed_bytes = 0
+        freed_bytes = total_freed = 0
 
         def on_shared(index: int, replacement: torch.Tensor) -> None:
-            nonlocal freed_bytes
+            nonlocal freed_bytes, total_freed
+            if replacement is pending[index]:  # shared in place (a file mapping): nothing freed
+                return
             repoint(model, entries, index, replacement)
             pending[index] = replacement  # the private original is freed here, one at a time
             freed_bytes += replacement.numel() * replacement.element_size()
+            total_freed += replacement.numel() * replacement.element_size()
             if freed_bytes >= _TRIM_EVERY_BYTES:  # hand freed heap back as we go: lower peak
                 _trim_heap()
                 freed_bytes = 0
@@ -96,7 +84,8 @@ class ShmWeights:
         # The arena stays in used until the share succeeded: discard() needs it otherwise.
         descriptor, _ = shm.share(pending, on_shared=on_shared, arena=used.get("arena"))
         used.pop("arena", None)
-        _trim_heap()
+        if total_freed:
+            _trim_heap()
         if descriptor.get("fd") is not None:  # followers open the blob through this process
             mapping = _blob_storage(descriptor, pending)
             self.shares.add(call, descriptor, mapping)
@@ -128,6 +117,31 @@ class ShmWeights:
         blob = _blob_storage(weights["descriptor"], tensors)
         if blob is not None:
             self.mapped.add(model, blob, f"{call.prefix()} {call.what}")
+
+
+def prepare_arena(model: torch.nn.Module, used: dict[str, Any]) -> None:
+    """Leader: ``used["arena"]``, an arena the size of ``model``'s tensors (their skeleton
+    dtypes), which a converting load writes into (:mod:`patchload._convert`): sharing then copies
+    nothing. The memfd is made on the first conversion; a load that converts nothing makes none."""
+    from .arena import BlobArena, capacity_for
+
+    used["arena"] = BlobArena(capacity_for(t.numel() * t.element_size()
+                                           for t in entries_of(model)[1]))
+
+
+def discard_arena(model: torch.nn.Module, used: dict[str, Any]) -> None:
+    """Leader: move ``model``'s tensors out of ``used["arena"]`` into private memory (a
+    writable shared mapping would be shared with a forked child, where a plain load's memory is
+    copy-on-write), then close it."""
+    arena = used.pop("arena", None)
+    if arena is None or arena.base is None:  # never opened: nothing was converted into it
+        return
+    entries, unique = entries_of(model)
+    for index, tensor in enumerate(unique):
+        if arena.owns(tensor):
+            repoint(model, entries, index, tensor.detach().clone())
+    del unique
+    arena.close()
 
 
 def _blob_storage(descriptor: dict[str, Any], tensors: list[torch.Tensor]
