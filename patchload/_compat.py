@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["config_base", "describe_loading_info", "init_copy_", "initialized_by_follower",
-           "loaded_from_leader"]
+           "loaded_from_leader", "warm_conversions"]
 
 
 def describe_loading_info(result: Any) -> dict[str, Any]:
@@ -101,3 +101,15 @@ def init_copy_(tensor: torch.Tensor, value: torch.Tensor) -> None:
             tensor.copy_(value)
         return
     initialization.copy_(tensor, value)
+
+
+def warm_conversions() -> None:
+    """Build transformers 5's table of checkpoint key conversions (a process-wide cache that a
+    model's ``from_pretrained`` builds on its first call: about 0.2 s of regex compilation), so
+    that a follower does it while its leader downloads rather than after. The table does not
+    depend on the model; transformers 4 has none."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return
+    get_checkpoint_conversion_mapping("llama")

@@ -27,7 +27,8 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
-from ._compat import describe_loading_info, initialized_by_follower, loaded_from_leader
+from ._compat import (describe_loading_info, initialized_by_follower, loaded_from_leader,
+                      warm_conversions)
 from ._patching import Patch
 from ._tensors import entries_of, named_tensors, owner
 from ._writes import write_patches
@@ -328,9 +329,9 @@ def from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
         return coordinated(name, wrapped, args, kwargs, what=what)
     if _state.config().transport == "collective":
         return coordinated(name, wrapped, args, kwargs, what=what, scope="job", share=_share,
-                           settle=_settle, abandon=_abandon)
+                           settle=_settle, abandon=_abandon, idle=warm_conversions)
     return coordinated(name, wrapped, args, kwargs, what=what, scope="node", share=_share,
-                       settle=_settle, abandon=_abandon,
+                       settle=_settle, abandon=_abandon, idle=warm_conversions,
                        lead_with=_node_leader_load(name, wrapped, what))
 
 
@@ -399,6 +400,18 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     return loaded_from_leader(model, mode.payload["weights"]["loading_info"])
 
 
+def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+    """``transformers.modeling_utils._get_dtype``, which ``from_pretrained`` calls once the
+    config and every checkpoint file are resolved: a leader announces its files here, so that
+    followers build their config and skeleton while it builds its own and loads (what they
+    resolve later, the generation config, they resolve after the leader's outcome)."""
+    mode = current_mode()
+    if mode is not None and mode.lead and mode.loads_model:
+        files_ready(mode.call)
+    return wrapped(*args, **kwargs)
+
+
 def _offline_on_followers(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                           kwargs: dict[str, Any]) -> Any:
     """``is_offline_mode`` as ``transformers.modeling_utils`` sees it: True inside a follower's
@@ -429,5 +442,6 @@ def load_patches() -> list[Patch]:
         Patch("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model",
               _load_pretrained_model),
         Patch("transformers.modeling_utils", "load_state_dict", _load_state_dict),
+        Patch("transformers.modeling_utils", "_get_dtype", _files_resolved),
         Patch("transformers.modeling_utils", "is_offline_mode", _offline_on_followers),
     ]

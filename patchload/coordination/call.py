@@ -367,7 +367,8 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                 lead_with: Callable[..., Any] | None = None,
                 call: _coordinate.Call | None = None,
                 offline_kwarg: bool = True,
-                abandon: Callable[[Mode], None] | None = None) -> Any:
+                abandon: Callable[[Mode], None] | None = None,
+                idle: Callable[[], None] | None = None) -> Any:
     """Run ``wrapped(*args, **kwargs)`` leader-first across the ranks of its scope.
 
     Not collective: no rank waits for ranks that do not make the same call.
@@ -391,6 +392,8 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         offline_kwarg: a follower reruns the call with ``local_files_only=True``. False for
             calls that reject it (transformers 5.2x ``load_adapter`` passes it on to a config
             that raises TypeError); their nested hub calls are still made offline.
+        idle: run by a follower before it waits for the leader (see
+            :func:`patchload.coordination.protocol.leader_first`).
 
     Returns:
         The original call's result on this rank: the same as a plain call's.
@@ -435,7 +438,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     # weights (the outcome) when they need them.
     start = time.monotonic()
     result = _recorded(mode, name, args, kwargs, lambda: _coordinate.leader_first(
-        call, one.lead, one.follow, early=share is not None))
+        call, one.lead, one.follow, early=share is not None, idle=idle))
     if mode is None:  # one line per rank per top-level call
         logger.info("%s %s: %s, in %.2f s", call.prefix(), what, one.did,
                     time.monotonic() - start)

@@ -413,7 +413,7 @@ def _delete_keys(call: Call) -> None:
 def leader_first(call: Call,
                  lead: Callable[[Call], tuple[T, dict[str, Any], Callable[[], None] | None]],
                  follow: Callable[[Call, Role, Callable[[], dict[str, Any]]], T], *,
-                 early: bool = False) -> T:
+                 early: bool = False, idle: Callable[[], None] | None = None) -> T:
     """Run ``lead`` on the call's leader and ``follow`` on every other rank of its scope.
 
     Not collective: each rank returns as soon as its own part is done; the leader never waits for
@@ -430,6 +430,8 @@ def leader_first(call: Call,
             announced its files (the function then waits for the outcome, and raises the
             leader's failure).
         early: let followers start once the leader's files are in the cache.
+        idle: run by a follower before it waits: work its own part does anyway, done while the
+            leader downloads (an exception from it is raised).
 
     Returns:
         What ``lead`` or ``follow`` returned on this rank.
@@ -461,6 +463,8 @@ def leader_first(call: Call,
         if call.store.store.add(call.key + "arrivals", 1) >= call.scope_size() - 1:
             call.store.store.set(call.key + "arrivals/all", "")  # wakes a leader waiting on all
     try:
+        if idle is not None:
+            idle()
         outcome = wait_outcome(call, role, or_files=early)
 
         def payload() -> dict[str, Any]:
