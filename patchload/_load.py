@@ -356,7 +356,13 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
                   ) -> tuple[dict[str, Any], Callable[[], None] | None]:
             node_mode.used.setdefault("headers", {}).update(mode.used.get("headers", {}))
             node_mode.used["loading_info"] = mode.used.get("loading_info")
-            return _share(result, call, mode)
+            try:
+                return _share(result, call, mode)
+            finally:
+                # What the load converted into (its transport's prepare), sealed by the node's
+                # share: the node's share copies none of it.
+                if "arena" in mode.used:
+                    node_mode.used["arena"] = mode.used.pop("arena")
 
         def settle(result: Any, mode: Mode) -> Any:
             weights = mode.payload.get("weights") or {}

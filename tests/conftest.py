@@ -29,6 +29,11 @@ from _launch import Job, job_env, run_plain, run_torchrun  # noqa: E402
 LOAD_CASES = ("llama", "llama_tied", "llama_sharded", "bf16_default", "bf16_bf16", "bf16_auto",
               "t5_fp16", "t5_bf16", "gpt2", "bert", "custom", "mismatch")
 
+# A bigger bf16 llama (load case "big_as_f32"), for memory figures.
+BIG_LLAMA = "org/llama-big-bf16"
+# Cases the plain reference also runs, for tests of their own (the two-node test).
+REFERENCE_ONLY_CASES = ("big_as_f32",)
+
 # Download-test repos: one per call of the download worker (all serve the tiny llama folder).
 DOWNLOAD_REPOS = ("dl/pair", "dl/file", "dl/snap", "dl/config", "dl/gen")
 
@@ -85,6 +90,11 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "org/llama-sharded": models.tiny_llama(root / "llama-sharded", max_shard_size="20KB",
                                                seed=2),
         "org/llama-bf16": models.tiny_llama(root / "llama-bf16", dtype=torch.bfloat16, seed=3),
+        # 64 MB in bf16, 127 MB loaded as fp32: big enough for a rank's peak memory to be
+        # measured against (Python's own allocations in a load are a few MB).
+        BIG_LLAMA: models.tiny_llama(root / "llama-big-bf16", dtype=torch.bfloat16,
+                                     hidden_size=768, num_layers=6, with_tokenizer=False,
+                                     seed=6),
         "org/t5": models.tiny_t5(root / "t5"),
         "org/gpt2": models.tiny_gpt2(root / "gpt2"),
         "org/bert": models.tiny_bert(root / "bert"),
@@ -127,7 +137,8 @@ def reference_job(hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory) ->
     of the mismatch case), the SGD step and MiniLM."""
     root = tmp_path_factory.mktemp("reference")
     env = job_env(hub.endpoint, root / "hf", root / "out", PATCHLOAD="0")
-    job = run_plain(hub, "load", ["--cases", ",".join(LOAD_CASES), "--reference", "--minilm"],
+    job = run_plain(hub, "load", ["--cases", ",".join(LOAD_CASES + REFERENCE_ONLY_CASES),
+                                  "--reference", "--minilm"],
                     env=env, timeout_s=240).check_ok()
     report = job.ranks[0]
     assert report["installed"] is False

@@ -9,6 +9,7 @@ files it opened. The reference is a plain load in a ``PATCHLOAD=0`` process (con
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import threading
@@ -256,7 +257,7 @@ def test_corrupt_checkpoint_every_rank_raises_the_same(errors_job: Job, step: st
 
 # --- hierarchy: two simulated nodes ---------------------------------------------------------------
 
-NODE_CASES = ("llama_tied", "bf16_auto", "custom", "llama_as_bf16")
+NODE_CASES = ("llama_tied", "bf16_auto", "custom", "llama_as_bf16", "big_as_f32")
 
 
 @pytest.fixture(scope="module", params=[(cache, hosts) for hosts in _nodes.HOSTS
@@ -279,8 +280,10 @@ def two_nodes_job(request: pytest.FixtureRequest, hub: Any,
         homes = [_nodes.NODE_LOCAL / "hf"] * 2
     else:
         homes = [root / "hf-node0", root / "hf-node1"]
+    # Broadcast buckets far smaller than the big case's model, as the default 256 MiB ones are
+    # beside real models (a sender stages one bucket at a time in private memory).
     envs = [job_env(hub.endpoint, home, root / "out", PLT_RECORD_ATTACHES="1",
-                    PATCHLOAD_LOG_LEVEL="DEBUG") for home in homes]
+                    PATCHLOAD_LOG_LEVEL="DEBUG", PATCHLOAD_BUCKET_MB="16") for home in homes]
     job = run_torchrun(hub, "load", ["--cases", ",".join(NODE_CASES)], nproc=2, nnodes=2,
                        env=envs, timeout_s=JOB_TIMEOUT_S, hosts=hosts)
     job.extra.update(cache=cache, hosts=hosts)
@@ -314,18 +317,44 @@ def test_two_nodes_read_the_checkpoint_once_per_cache(two_nodes_job: Job,
     shares = {rank: re.findall(rf"\[rank {rank}/4\][^\n]*: shared \d+ tensors \((\d+) bytes\) "
                                r"with this node's ranks \((\d+) bytes copied", output)
               for rank in (0, 2)}
+    reading = (0,) if two_nodes_job.extra["cache"] == "shared-cache" else (0, 2)
     if two_nodes_job.extra["cache"] == "shared-cache":
         # Node 1's leader received the broadcast straight into the blob it shares: the node
         # holds one copy of the model, never a private one beside the blob.
         assert len(shares[2]) == len(NODE_CASES), output[-3000:]
         assert all(copied == "0" and int(total) > 0 for total, copied in shares[2]), shares
-    else:
-        # Each node leader reads its own disk; its converting load (llama_as_bf16) writes
-        # straight into the blob: only what the load did not make there (non-persistent
-        # buffers) is copied.
-        for rank in (0, 2):
-            assert len(shares[rank]) == len(NODE_CASES), output[-3000:]
-            assert all(10 * int(copied) < int(total) for total, copied in shares[rank]), shares
+    # A node leader that reads its disk (with the shared cache, the one that then broadcasts
+    # to the other node) converts (llama_as_bf16, big_as_f32) straight into its node's blob:
+    # only what the load did not make there (non-persistent buffers) is copied.
+    for rank in reading:
+        assert len(shares[rank]) == len(NODE_CASES), output[-3000:]
+        assert all(10 * int(copied) < int(total) for total, copied in shares[rank]), shares
+    # The node leaders' peak memory in the big converting load (bf16 on disk, 127 MB as fp32):
+    # one copy of the model, never a private one beside the blob. Node 1's leader with the
+    # shared cache receives the broadcast straight into its blob; every other node leader
+    # downloads and reads its node's disk, converting into its blob (and, with the shared
+    # cache, broadcasting from there), its resident memory then also counting the checkpoint's
+    # file pages it read (half the model) and the download's buffers.
+    records = step_records(two_nodes_job, "big_as_f32")
+    loaded = _loaded_bytes(records[0]["fingerprint"])
+    peaks = {rank: (records[rank]["memory"]["peak"] - records[rank]["memory"]["before"]) / loaded
+             for rank in (0, 2)}
+    print(f"{two_nodes_job.extra}: node leaders' peak memory in the load, x the model "
+          f"({loaded / 2**20:.0f} MiB): "
+          + ", ".join(f"rank {r}: {x:.2f}x" for r, x in peaks.items()))
+    readers_bound = 1.1 + 0.5 + 0.1
+    for rank, peak in peaks.items():
+        receives = rank == 2 and two_nodes_job.extra["cache"] == "shared-cache"
+        assert peak <= (1.1 if receives else readers_bound), (rank, peaks)
+
+
+def _loaded_bytes(fingerprint: dict[str, Any]) -> int:
+    """The bytes of a model's tensors (tied names counted once), from its fingerprint."""
+    import torch
+
+    tied = {name for group in fingerprint["ties"] for name in group[1:]}
+    return sum(math.prod(t["shape"]) * getattr(torch, t["dtype"].removeprefix("torch.")).itemsize
+               for name, t in fingerprint["tensors"].items() if name not in tied)
 
 
 # --- two jobs on one node ------------------------------------------------------------------------

@@ -143,10 +143,20 @@ class CollectiveWeights:
     collective = True
 
     def prepare(self, call: Call, model: torch.nn.Module, used: dict[str, Any]) -> None:
-        """Nothing: the leader sends from its own tensors."""
+        """Leader: the leader sends from its own tensors. Those of a node leader that will
+        then share them in its node (``PATCHLOAD_TRANSPORT=auto``, several nodes) are converted
+        straight into that share's arena (:func:`patchload.transport.node_shm.prepare_arena`),
+        left in ``used["arena"]``."""
+        if _state.config().transport != "collective":
+            from .node_shm import prepare_arena
+
+            prepare_arena(model, used)
 
     def discard(self, model: torch.nn.Module, used: dict[str, Any]) -> None:
-        """Nothing was prepared."""
+        """Leader: see :func:`patchload.transport.node_shm.discard_arena`."""
+        from .node_shm import discard_arena
+
+        discard_arena(model, used)
 
     def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
               tensors: list[torch.Tensor], used: dict[str, Any]

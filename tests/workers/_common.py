@@ -252,6 +252,31 @@ def fingerprint(model: Any) -> dict[str, Any]:
     }
 
 
+# --- memory ------------------------------------------------------------------------------------
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+@contextlib.contextmanager
+def peak_memory() -> Iterator[dict[str, int]]:
+    """This process's resident memory during the block, in bytes: ``{"before", "peak"}``
+    (``VmRSS`` at the start; ``VmHWM`` at the end, after resetting it at the start through
+    ``/proc/self/clear_refs``). Resident memory counts the shared memory this process touched
+    (a blob it wrote or read) as well as its private pages."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")  # resets the high-water mark to the current RSS
+    figures = {"before": _status_bytes("VmRSS")}
+    try:
+        yield figures
+    finally:
+        figures["peak"] = _status_bytes("VmHWM")
+
+
 # --- checkpoint reads ---------------------------------------------------------------------------
 
 class SafetensorsCounter:

@@ -54,6 +54,7 @@ def _case(name: str, rank: int) -> tuple[str, object, str, dict]:
         "custom": (AutoModel, "org/custom", {}),
         "llama_f32": (*llama, {"dtype": torch.float32}),
         "llama_as_bf16": (*llama, {"dtype": torch.bfloat16}),
+        "big_as_f32": (AutoModelForCausalLM, "org/llama-big-bf16", {"dtype": torch.float32}),
     }
     if name == "mismatch":  # rank 2 asks for bf16 while the others ask for fp32, at once
         name = "llama_as_bf16" if rank == 2 else "llama_f32"
@@ -65,8 +66,10 @@ def _load_case(report: dict, barrier: _common.Barrier, counter: _common.Safetens
     ref, cls, repo, kwargs = _case(case, rank)
     with _common.step(report, step_name, barrier) as record:
         mark = counter.snapshot()
-        result = _common.attempt(lambda: cls.from_pretrained(repo, **kwargs))
+        with _common.peak_memory() as memory:
+            result = _common.attempt(lambda: cls.from_pretrained(repo, **kwargs))
         record["checkpoint"] = counter.since(mark)
+        record["memory"] = memory
     record["ref"] = ref
     if result["ok"]:
         record["fingerprint"] = _common.fingerprint(result["value"])
