@@ -8,11 +8,11 @@ nodes) and publishes where they are. Followers run the same original call from t
 configuration, dtype resolution, the meta-device skeleton, tying, ``eval()``, generation config
 and ``hf_device_map`` all come from transformers itself; only ``_load_pretrained_model`` (the step
 that reads checkpoint files) is replaced by assembling the leader's tensors. The leader announces
-when it reaches that step (every file is in the cache by then), so followers build their
-skeleton while it loads and wait for its tensors only there. At the end every
-follower parameter and buffer is re-pointed at the leader's bytes, so the model equals a plain
-load bitwise. Building ``DistributedDataParallel`` or an optimizer over such weights first
-copies them out of the shared memory (:mod:`patchload._writes`).
+when its config and checkpoint files are resolved (they are in the cache by then), so followers
+build their skeleton while it builds its own and loads, and wait for its tensors only there. At
+the end every follower parameter and buffer is re-pointed at the leader's bytes, so the model
+equals a plain load bitwise. Building ``DistributedDataParallel`` or an optimizer over such
+weights first copies them out of the shared memory (:mod:`patchload._writes`).
 
 Steps aside (downloads still coordinated, weights loaded plainly, one INFO line says why) where a
 broadcast is unsafe or pointless: ``PATCHLOAD_BROADCAST=0``, DeepSpeed ZeRO-3, a ``device_map``
@@ -391,7 +391,7 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     if mode is None or not mode.loads_model:
         return wrapped(*args, **kwargs)
     if mode.lead:
-        files_ready(mode.call)  # every checkpoint file is in the cache by now
+        files_ready(mode.call)  # if _files_resolved did not already (no _get_dtype there)
         model = args[0] if args else kwargs.get("model")
         if model is not None and "loading_info" not in mode.used:  # not an adapter's load
             _transport_of(mode.call).prepare(mode.call, model, mode.used)
