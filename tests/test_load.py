@@ -21,7 +21,7 @@ import pytest
 import _nodes
 from _launch import (Job, check_same_error_everywhere, diff_fingerprints, follower_checkpoint,
                      job_env, request_signature, run_plain, run_torchrun, step_records)
-from conftest import LOAD_CASES
+from conftest import LOAD_CASES, REFERENCE_ONLY_CASES
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="torchrun jobs with /proc and memfd: Linux only")
@@ -71,7 +71,8 @@ def broadcast_off_job(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Job
 def single_process_job(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Job:
     """World size 1 (plain ``python load.py``), patched: same calls as the reference."""
     root = tmp_path_factory.mktemp("load-single")
-    return run_plain(hub, "load", ["--cases", ",".join(LOAD_CASES), "--reference", "--minilm"],
+    return run_plain(hub, "load", ["--cases", ",".join(LOAD_CASES + REFERENCE_ONLY_CASES),
+                                   "--reference", "--minilm"],
                      env=_env(hub, root), timeout_s=JOB_TIMEOUT_S).check_ok()
 
 
