@@ -8,6 +8,7 @@ imports transformers at import time: each function imports what it needs when ca
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
 
 __all__ = ["config_base", "describe_loading_info", "init_copy_", "initialized_by_follower",
            "loaded_from_leader", "warm_conversions"]
+
+logger = logging.getLogger(__name__)
 
 
 def describe_loading_info(result: Any) -> dict[str, Any]:
@@ -112,4 +115,7 @@ def warm_conversions() -> None:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:
         return
-    get_checkpoint_conversion_mapping("llama")
+    try:
+        get_checkpoint_conversion_mapping("llama")
+    except Exception as err:  # noqa: BLE001 - a head start only: the load builds it itself
+        logger.debug("not building transformers' key-conversion table ahead: %s", err)
