@@ -10,8 +10,9 @@ makes the one snapshot download; followers skip ``model_info``) and scheduler
 ``AutoPeftModel*.from_pretrained`` and ``PeftConfig.from_pretrained``.
 
 ``huggingface_hub.file_exists`` (peft asks it before downloading adapter weights, even with
-``local_files_only=True``) is answered from the cache inside a follower, without a request; a
-``file_exists`` outside any patched call is not coordinated (every rank asks the hub).
+``local_files_only=True``) is answered from the cache inside a follower (the enclosing call's
+``cache_dir``, or the default cache), without a request; a ``file_exists`` outside any patched
+call is not coordinated (every rank asks the hub).
 
 ``huggingface_hub.hf_hub_download`` and ``snapshot_download`` are wrapped where they are defined
 and rebound wherever a module already imported them by name (``transformers.utils.hub``,
@@ -74,7 +75,8 @@ _SOURCE_NAMES: Final = ("pretrained_model_name_or_path", "model_name_or_path", "
 def _file_exists(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
     """``huggingface_hub.file_exists`` (a request): inside a follower's call, answered from the
-    cache the leader filled (a cached file exists; anything else is taken as absent)."""
+    cache the leader filled, the call's own ``cache_dir`` if it has one (a cached file exists;
+    anything else is taken as absent)."""
     mode = current_mode()
     if mode is None or mode.lead:
         return wrapped(*args, **kwargs)
@@ -82,7 +84,8 @@ def _file_exists(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ..
 
     cached = try_to_load_from_cache(
         _first(args, kwargs, "repo_id", 0), _first(args, kwargs, "filename", 1),
-        revision=kwargs.get("revision"), repo_type=kwargs.get("repo_type"))
+        cache_dir=mode.cache_dir, revision=kwargs.get("revision"),
+        repo_type=kwargs.get("repo_type"))
     return isinstance(cached, str)
 
 

@@ -38,6 +38,7 @@ STEP_REPOS = {
     "ddpm_pipeline": ("dif/ddpm-pipe",),
     "dit_pipeline": ("dif/dit-pipe",),
     "peft": ("org/llama-peft-base", "lora/a", "lora/b"),
+    "peft_cache_dir": ("org/llama-peft-base3", "lora/e"),
     "hf_load_adapter": ("org/llama-peft-base2", "lora/c"),
     "auto_peft": ("lora/d", "org/llama-peft-base"),
 }
@@ -58,9 +59,9 @@ def library_hub(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     llama = models.tiny_llama(root / "llama", seed=7)
     folders = {
         "dif/ddpm": ddpm, "dif/ddpm-pipe": ddpm, "dif/dit": dit, "dif/dit-pipe": dit,
-        "org/llama-peft-base": llama, "org/llama-peft-base2": llama,
+        "org/llama-peft-base": llama, "org/llama-peft-base2": llama, "org/llama-peft-base3": llama,
     }
-    for name, seed in (("a", 1), ("b", 2), ("c", 3), ("d", 4)):
+    for name, seed in (("a", 1), ("b", 2), ("c", 3), ("d", 4), ("e", 5)):
         folders[f"lora/{name}"] = models.tiny_lora(root / f"lora-{name}", llama, seed=seed,
                                                    base_repo_id="org/llama-peft-base")
     for repo_id, folder in folders.items():

@@ -60,6 +60,8 @@ class Mode:
         pins: the hub files this rank's call resolved: ``{"<type>:<repo>:<path>": [commit,
             blob, size]}``, or ``None`` for a file found absent.
         payload_of: followers: returns the leader's published payload (see :attr:`payload`).
+        cache_dir: the call's ``cache_dir`` argument (None: the default hub cache), where a
+            follower answers cache lookups that take no ``cache_dir`` (``file_exists``).
     """
 
     lead: bool
@@ -68,6 +70,7 @@ class Mode:
     used: dict[str, Any] = field(default_factory=dict)
     pins: dict[str, Any] = field(default_factory=dict)
     payload_of: Callable[[], dict[str, Any]] | None = None
+    cache_dir: Any = None
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -289,7 +292,7 @@ class _Coordinated:
                 raise
 
         mode = Mode(lead=False, call=call, payload_of=leader_payload,
-                    loads_model=self.share is not None)
+                    loads_model=self.share is not None, cache_dir=self.kwargs.get("cache_dir"))
         rng = _rng_state()
         kwargs = _offline(self.kwargs) if self.offline_kwarg else self.kwargs
         try:

@@ -88,6 +88,14 @@ def _calls() -> list[tuple[str, Any]]:
         model.load_adapter("lora/b", adapter_name="b")  # PeftModel.load_adapter
         return {"model": fingerprint(model), "adapters": sorted(model.peft_config)}
 
+    def peft_cache_dir() -> dict[str, Any]:
+        # A cache of the calls' own: peft asks file_exists (which takes no cache_dir) whether
+        # the adapter has safetensors weights before downloading them into that cache.
+        cache = os.path.join(os.environ["HF_HOME"], "own-cache")
+        base = AutoModelForCausalLM.from_pretrained("org/llama-peft-base3", cache_dir=cache)
+        model = PeftModel.from_pretrained(base, "lora/e", cache_dir=cache)
+        return {"model": fingerprint(model), "adapters": sorted(model.peft_config)}
+
     def hf_load_adapter() -> dict[str, Any]:
         model = AutoModelForCausalLM.from_pretrained("org/llama-peft-base2")
         model.load_adapter("lora/c", adapter_name="c")  # transformers' PeftAdapterMixin
@@ -103,6 +111,7 @@ def _calls() -> list[tuple[str, Any]]:
         ("ddpm_pipeline", lambda: _pipeline(DDPMPipeline.from_pretrained("dif/ddpm-pipe"))),
         ("dit_pipeline", lambda: _pipeline(DiffusionPipeline.from_pretrained("dif/dit-pipe"))),
         ("peft", peft_from_pretrained),
+        ("peft_cache_dir", peft_cache_dir),
         ("hf_load_adapter", hf_load_adapter),
         # loads the adapter's base model (base_model_name_or_path), then the adapter
         ("auto_peft", lambda: {"model": fingerprint(
