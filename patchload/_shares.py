@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _WATCH_S: Final = 0.5  # how often the leader's mappings are looked at (no store request)
 _LATE_S: Final = 5.0  # how long after the share a rank that has not arrived is waited for
+_JOIN_AT_EXIT_S: Final = 2.0  # how long the exit waits for the watcher's store request to end
 
 
 @dataclass(eq=False)
@@ -52,7 +53,8 @@ class OpenShares:
         self._shares: list[_Share] = []
         self._lock = threading.RLock()
         self._exit_hooked = False
-        self._watching = False
+        self._watcher: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     def add(self, call: Call, descriptor: dict[str, Any],
             mapping: torch.UntypedStorage) -> None:
@@ -67,15 +69,24 @@ class OpenShares:
                 atexit.register(self.release_at_exit)
                 self._exit_hooked = True
             self._shares.append(share)
-            if not self._watching:
-                self._watching = True
-                threading.Thread(target=self._watch, daemon=True,
-                                 name="patchload-shares").start()
+            if self._watcher is None and not self._stopping.is_set():
+                self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                                 name="patchload-shares")
+                self._watcher.start()
 
     def release_at_exit(self) -> None:
         """Wait (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived
-        at each shared call to take the weights, then close every blob."""
+        at each shared call to take the weights, then close every blob.
+
+        Stops and joins the watcher first (at most 2 s): a daemon thread still inside a store
+        request when the interpreter finalizes aborts the process ("terminate called without an
+        active exception", as :class:`~patchload.coordination.beats.Heartbeat` says)."""
         start = time.monotonic()
+        self._stopping.set()
+        with self._lock:
+            watcher = self._watcher
+        if watcher is not None:
+            watcher.join(_JOIN_AT_EXIT_S)
         with self._lock:
             shares = list(self._shares)
         for share in shares:
@@ -87,20 +98,20 @@ class OpenShares:
         """Until no blob is open: notice a leader mapping that went (a model freed, moved to a
         device, sharded) and close its blob once no follower may need it."""
         try:
-            while True:
+            while not self._stopping.is_set():
                 with self._lock:
                     if not self._shares:
-                        self._watching = False  # under the lock: the next add starts a watcher
+                        self._watcher = None  # under the lock: the next add starts a watcher
                         return
                     shares = list(self._shares)
                 for share in shares:
-                    if share.mapping.expired():
+                    if share.mapping.expired() and not self._stopping.is_set():
                         self._close_if_done(share)
-                time.sleep(_WATCH_S)
+                self._stopping.wait(_WATCH_S)
         except Exception as err:  # noqa: BLE001 - the blobs left are closed at exit
             logger.debug("watching the shared blobs failed: %s: %s", type(err).__name__, err)
-            with self._lock:
-                self._watching = False
+        with self._lock:
+            self._watcher = None
 
     def _close_if_done(self, share: _Share) -> None:
         """Close the blob once every follower that arrived is done and, for ``_LATE_S`` seconds
