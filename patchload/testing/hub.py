@@ -343,6 +343,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "patchload-loopback-hub"
     timeout = _SOCKET_TIMEOUT_S
+    # Headers and body go out in two writes: with Nagle's algorithm on, the body of a small
+    # response waits for the client's delayed ACK (about 40 ms on Linux), which no real hub has.
+    disable_nagle_algorithm = True
     server: _Server
 
     # -- plumbing ---------------------------------------------------------------------------------
