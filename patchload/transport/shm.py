@@ -203,22 +203,6 @@ def _describe(tensors: Sequence[torch.Tensor], arena: BlobArena | None
     starts = [m.start for m in mappings]
     files: list[dict[str, Any]] = []
     file_index: dict[str, int] = {}
-    try:
-        pagemap: int | None = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        pagemap = None
-    try:
-        entries, staged = _entries(tensors, arena, mappings, starts, pagemap, files, file_index)
-    finally:
-        if pagemap is not None:
-            os.close(pagemap)
-    return entries, files, staged
-
-
-def _entries(tensors: Sequence[torch.Tensor], arena: BlobArena | None,
-             mappings: list[_Mapping], starts: list[int], pagemap: int | None,
-             files: list[dict[str, Any]], file_index: dict[str, int]
-             ) -> tuple[list[dict[str, Any]], set[int]]:
     pagemap_ok = True
     entries: list[dict[str, Any]] = []
     staged: set[int] = set()
@@ -239,7 +223,7 @@ def _entries(tensors: Sequence[torch.Tensor], arena: BlobArena | None,
             found = _file_region(t, mappings, starts)
             if found is not None:
                 mapping, offset = found
-                clean = _pages_unmodified(pagemap, written, mapping, t.data_ptr(),
+                clean = _pages_unmodified(written, mapping, t.data_ptr(),
                                           t.numel() * t.element_size())
                 if clean is None:
                     pagemap_ok = False
@@ -259,7 +243,7 @@ def _entries(tensors: Sequence[torch.Tensor], arena: BlobArena | None,
                         continue
         entry.update(kind="blob", offset=None,
                      stride=list(t.stride()) if dense else _contiguous_stride(t.shape))
-    return entries, staged
+    return entries, files, staged
 
 
 def _place(entries: list[dict[str, Any]], staged: set[int], *, start: int) -> int:
@@ -516,28 +500,27 @@ def _file_region(t: torch.Tensor, mappings: list[_Mapping],
     return m, offset
 
 
-def _pages_unmodified(pagemap: int | None, written: dict[int, bytes], mapping: _Mapping,
-                      address: int, nbytes: int) -> bool | None:
+def _pages_unmodified(written: dict[int, bytes], mapping: _Mapping, address: int,
+                      nbytes: int) -> bool | None:
     """Whether no page of ``[address, address + nbytes)`` (inside ``mapping``) is private
     (COW'd or swapped) memory.
 
-    Reads ``/proc/self/pagemap`` (``pagemap``: an fd open on it) once per mapping, cached in
-    ``written``: bit 63 present, bit 62 swapped, bit 61 file-backed. A page that is present and
-    not file-backed, or swapped, was written by this process. Returns None when pagemap cannot
-    be read.
+    Reads ``/proc/self/pagemap`` once per mapping, cached in ``written``: bit 63 present, bit 62
+    swapped, bit 61 file-backed. A page that is present and not file-backed, or swapped, was
+    written by this process. Returns None when pagemap cannot be read.
     """
     page = mmap.PAGESIZE
     if mapping.start not in written:
-        if pagemap is None:
-            return None
         size = (mapping.end - mapping.start) // page * 8
         raw = bytearray()
         try:
-            while len(raw) < size:
-                chunk = os.pread(pagemap, size - len(raw), mapping.start // page * 8 + len(raw))
-                if not chunk:
-                    return None
-                raw += chunk
+            with open("/proc/self/pagemap", "rb", buffering=0) as f:
+                while len(raw) < size:
+                    chunk = os.pread(f.fileno(), size - len(raw),
+                                     mapping.start // page * 8 + len(raw))
+                    if not chunk:
+                        return None
+                    raw += chunk
         except OSError:
             return None
         # Each entry's top byte (little-endian) holds the three bits: one flag byte per page.
