@@ -391,7 +391,7 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     if mode is None or not mode.loads_model:
         return wrapped(*args, **kwargs)
     if mode.lead:
-        files_ready(mode.call)  # if _files_resolved did not already (no _get_dtype there)
+        _announce_files(mode)  # if _files_resolved did not already (no _get_dtype there)
         model = args[0] if args else kwargs.get("model")
         if model is not None and "loading_info" not in mode.used:  # not an adapter's load
             _transport_of(mode.call).prepare(mode.call, model, mode.used)
@@ -414,8 +414,15 @@ def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     resolve later, the generation config, they resolve after the leader's outcome)."""
     mode = current_mode()
     if mode is not None and mode.lead and mode.loads_model:
-        files_ready(mode.call)
+        _announce_files(mode)
     return wrapped(*args, **kwargs)
+
+
+def _announce_files(mode: Mode) -> None:
+    """Leader: :func:`files_ready`, once per call."""
+    if "files_ready" not in mode.used:
+        files_ready(mode.call)
+        mode.used["files_ready"] = True
 
 
 def _offline_on_followers(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],

@@ -10,8 +10,8 @@ gone), and every rank of the node that has not arrived yet is waited for until `
 seconds after the share; from then on the blob lives only as long as some follower's tensors
 map it. A thread of the leader watches its mappings (no store request while they live); at
 exit the leader waits (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that
-arrived, then closes every blob. A rank that reaches the call after its blob is closed loads from the cache the
-leader filled (with a warning).
+arrived, then closes every blob. A rank that reaches the call after its blob is closed loads
+from the cache the leader filled (with a warning).
 """
 
 from __future__ import annotations

@@ -134,6 +134,12 @@ def _into(arena: BlobArena) -> Callable[[TensorMeta], torch.Tensor | None]:
     return lambda meta: arena.take(meta.shape, dtype_from_str(meta.dtype))
 
 
+def _node_share_follows() -> bool:
+    """Whether a node leader's broadcast weights are then shared in its node
+    (``PATCHLOAD_TRANSPORT=auto``: the node leaders' load of several nodes)."""
+    return _state.config().transport != "collective"
+
+
 class CollectiveWeights:
     """The ``"collective"`` :class:`~patchload.transport.base.WeightTransport`: the leader
     broadcasts to the ranks that arrived within the arrival window; the others load plainly."""
@@ -147,7 +153,7 @@ class CollectiveWeights:
         then share them in its node (``PATCHLOAD_TRANSPORT=auto``, several nodes) are converted
         straight into that share's arena (:func:`patchload.transport.node_shm.prepare_arena`),
         left in ``used["arena"]``."""
-        if _state.config().transport != "collective":
+        if _node_share_follows():
             from .node_shm import prepare_arena
 
             prepare_arena(model, used)
@@ -171,7 +177,7 @@ class CollectiveWeights:
         receives them into an arena, left in ``used["arena"]`` for that share."""
         if "joined" not in used:
             arena = None
-            if _state.config().transport != "collective":
+            if _node_share_follows():
                 from . import TensorMeta
                 from .arena import BlobArena, capacity_for
 

@@ -67,24 +67,25 @@ class ShmWeights:
         shared_bytes = sum(t.numel() * t.element_size() for t in tensors)
         pending = [t.detach() for t in tensors]
         tensors.clear()
-        freed_bytes = total_freed = 0
+        untrimmed_bytes = 0  # freed since the last trim
+        freed_any = False
 
         def on_shared(index: int, replacement: torch.Tensor) -> None:
-            nonlocal freed_bytes, total_freed
+            nonlocal untrimmed_bytes, freed_any
             if replacement is pending[index]:  # shared in place (a file mapping): nothing freed
                 return
             repoint(model, entries, index, replacement)
             pending[index] = replacement  # the private original is freed here, one at a time
-            freed_bytes += replacement.numel() * replacement.element_size()
-            total_freed += replacement.numel() * replacement.element_size()
-            if freed_bytes >= _TRIM_EVERY_BYTES:  # hand freed heap back as we go: lower peak
+            freed_any = True
+            untrimmed_bytes += replacement.numel() * replacement.element_size()
+            if untrimmed_bytes >= _TRIM_EVERY_BYTES:  # hand freed heap back as we go: lower peak
                 _trim_heap()
-                freed_bytes = 0
+                untrimmed_bytes = 0
 
         # The arena stays in used until the share succeeded: discard() needs it otherwise.
         descriptor, _ = shm.share(pending, on_shared=on_shared, arena=used.get("arena"))
         used.pop("arena", None)
-        if total_freed:
+        if freed_any:
             _trim_heap()
         if descriptor.get("fd") is not None:  # followers open the blob through this process
             mapping = _blob_storage(descriptor, pending)
