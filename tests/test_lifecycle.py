@@ -4,7 +4,8 @@
   it owns the port's server), and a second group works.
 * A model only rank 0 loads (a teacher, an eval model): its shared blob goes with the model
   (``del model`` and a garbage collection), and rank 0's exit does not wait for ranks that never
-  make the call.
+  make the call. At exit the thread that watches those blobs is stopped and joined before
+  they are released (no daemon thread inside a store request at finalization).
 * The store: waiting followers block in the store (at most one request per second each), and a
   thousand coordinated calls leave it with as many keys as before (``benchmarks/bench_store.py``,
   small sizes here; the README's table has the large ones).
@@ -78,3 +79,40 @@ def test_waiting_followers_and_a_thousand_calls_leave_the_store_as_it_was(
     before, after = row["before"], row["after"]
     assert (after["keys"], after["fds"], after["threads"]) == \
         (before["keys"], before["fds"], before["threads"]), row
+
+
+_SHARES_AT_EXIT = """
+import gc, threading, time, torch
+from patchload import _state
+from patchload._shares import OpenShares
+from patchload._topology import current_topology
+from patchload.coordination.protocol import call_key, claim
+
+call, _ = claim(call_key("shares_at_exit", {}, scope="node", topology=current_topology(),
+                         config=_state.config(), what="shares_at_exit()"))
+shares = OpenShares()
+mapping = torch.UntypedStorage(64)
+shares.add(call, {}, mapping)
+del mapping
+gc.collect()  # the leader's mapping is gone: the watcher asks the store about the followers
+time.sleep(1.2)
+watchers = [t for t in threading.enumerate() if t.name == "patchload-shares"]
+shares.release_at_exit()
+print(len(watchers), sum(t.is_alive() for t in watchers), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_shares_watcher_has_ended_when_the_exit_releases(tmp_path: Path) -> None:
+    """The thread watching a leader's blobs asks the store whether followers are done; at exit
+    it is stopped and joined before the blobs are released. A daemon thread still inside a store
+    request when the interpreter finalizes aborts the process ("terminate called without an
+    active exception", SIGABRT), which a CI run once showed for a leader at exit."""
+    env = job_env("http://127.0.0.1:9", tmp_path / "hf", tmp_path / "out", TMPDIR=str(tmp_path),
+                  WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK="0", LOCAL_RANK="0",
+                  PATCHLOAD_EXIT_WAIT="1")
+    done = subprocess.run([sys.executable, "-c", _SHARES_AT_EXIT], env=env, text=True,
+                          capture_output=True, timeout=50, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # One watcher ran (rank 1 never arrives: the blob stays pending), and none is left.
+    assert done.stdout.split() == ["1", "0"], done.stdout + done.stderr[-3000:]
