@@ -231,6 +231,50 @@ BIN_ONLY = Scenario(
         {"name": "model", "op": "model", "repo": "diff/bin-only"},
     ), Requests.ONE_PER_CACHE, setup=_bin_setup, requests_to_end=True)
 
+def _architectures_setup(ctx: SetupContext) -> None:
+    """Tiny random models of other architectures than the Llama the rest uses: a Mixtral
+    (transformers 5 fuses its per-expert checkpoint tensors while loading: converter outputs,
+    not views of the file), a ViT image classifier and a Whisper stored in fp16."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(25)
+    moe = tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2))
+    vit = tf.ViTForImageClassification(tf.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        image_size=32, patch_size=8, num_labels=3))
+    whisper = tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+        vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_source_positions=64, max_target_positions=64, num_mel_bins=16,
+        pad_token_id=1, bos_token_id=2, eos_token_id=3, decoder_start_token_id=2))
+    for repo, model in (("diff/mixtral", moe), ("diff/vit", vit),
+                        ("diff/whisper-fp16", whisper.to(torch.float16))):
+        folder = ctx.assets / repo.replace("/", "--")
+        model.save_pretrained(folder)
+        ctx.hub.add_repo(repo, folder)
+
+
+ARCHITECTURES = Scenario(
+    "architectures", (
+        {"name": "moe", "op": "model", "repo": "diff/mixtral"},
+        {"name": "moe-bf16", "op": "model", "repo": "diff/mixtral",
+         "kwargs": {"dtype": "bfloat16"}},
+        # a classifier head of another size: initialised by each rank from its own seed
+        {"name": "vit-new-head", "op": "model", "repo": "diff/vit",
+         "cls": "AutoModelForImageClassification", "seed": 77, "seed_plus_rank": True,
+         "kwargs": {"num_labels": 5, "ignore_mismatched_sizes": True,
+                    "output_loading_info": True}, "rand_after": 3},
+        {"name": "whisper-auto", "op": "model", "repo": "diff/whisper-fp16",
+         "cls": "AutoModelForSpeechSeq2Seq", "kwargs": {"dtype": "auto"}},
+        {"name": "whisper-fp32", "op": "model", "repo": "diff/whisper-fp16",
+         "cls": "AutoModelForSpeechSeq2Seq", "kwargs": {"dtype": "float32"}},
+    ), Requests.ONE_PER_CACHE, setup=_architectures_setup)
+
+
 def _train_setup(ctx: SetupContext) -> None:
     import torch
 
@@ -279,7 +323,7 @@ GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
     Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
-                           TRAIN, BIN_ONLY),
+                           TRAIN, ARCHITECTURES, BIN_ONLY),
           variants={"shm": {}, "collective": {"PATCHLOAD_TRANSPORT": "collective"}}),
 )
 SCENARIOS = {s.name: (g, s) for g in GROUPS for s in g.scenarios}
