@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from .coordination.beats import JOIN_AT_EXIT_S
 from .coordination.followers import pending_followers, wait_followers_done
 from .coordination.protocol import Call
 
@@ -35,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 _WATCH_S: Final = 0.5  # how often the leader's mappings are looked at (no store request)
 _LATE_S: Final = 5.0  # how long after the share a rank that has not arrived is waited for
-_JOIN_AT_EXIT_S: Final = 2.0  # how long the exit waits for the watcher's store request to end
 
 
 @dataclass(eq=False)
@@ -78,15 +78,14 @@ class OpenShares:
         """Wait (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived
         at each shared call to take the weights, then close every blob.
 
-        Stops and joins the watcher first (at most 2 s): a daemon thread still inside a store
-        request when the interpreter finalizes aborts the process ("terminate called without an
-        active exception", as :class:`~patchload.coordination.beats.Heartbeat` says)."""
+        Stops and joins the watcher first (at most ``JOIN_AT_EXIT_S``, 2 s): a daemon thread
+        still inside a store request when the interpreter finalizes aborts the process."""
         start = time.monotonic()
         self._stopping.set()
         with self._lock:
             watcher = self._watcher
         if watcher is not None:
-            watcher.join(_JOIN_AT_EXIT_S)
+            watcher.join(JOIN_AT_EXIT_S)
         with self._lock:
             shares = list(self._shares)
         for share in shares:

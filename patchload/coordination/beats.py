@@ -26,12 +26,16 @@ from .identity import node_id, process_alive
 if TYPE_CHECKING:
     from .protocol import Call, Role
 
-__all__ = ["Heartbeat", "LeaderWatch", "beat", "read_beat", "wait_beat"]
+__all__ = ["JOIN_AT_EXIT_S", "Heartbeat", "LeaderWatch", "beat", "read_beat", "wait_beat"]
 
 logger = logging.getLogger(__name__)
 
 # Beat keys kept: a follower slow between reading the counter and waiting still finds its key.
 _KEEP_BEAT_KEYS: Final = 3
+# Seconds the exit waits for each of patchload's background threads to leave its store request:
+# a daemon thread still inside one when the interpreter finalizes aborts the whole process
+# ("terminate called without an active exception").
+JOIN_AT_EXIT_S: Final = 2.0
 
 
 def beat(call: Call) -> None:
@@ -66,8 +70,6 @@ class Heartbeat:
     ("terminate called without an active exception").
     """
 
-    _JOIN_AT_EXIT_S: Final = 2.0
-
     def __init__(self) -> None:
         self._calls: dict[str, Call] = {}
         self._lock = threading.Lock()
@@ -90,12 +92,13 @@ class Heartbeat:
             self._calls.pop(call.key, None)
 
     def stop(self) -> None:
-        """Stop beating and wait for the thread, at most 2 s (called at interpreter exit)."""
+        """Stop beating and wait for the thread, at most ``JOIN_AT_EXIT_S`` (2 s; called at
+        interpreter exit)."""
         self._stopping.set()
         with self._lock:
             thread = self._thread
         if thread is not None:
-            thread.join(self._JOIN_AT_EXIT_S)
+            thread.join(JOIN_AT_EXIT_S)
 
     def _run(self) -> None:
         due: dict[str, float] = {}
@@ -167,7 +170,7 @@ class LeaderWatch:
         with self._lock:
             thread = self._thread
         if thread is not None:
-            thread.join(2.0)
+            thread.join(JOIN_AT_EXIT_S)
 
     def _run(self) -> None:
         while not self._stopping.wait(self._PERIOD_S):

@@ -70,7 +70,7 @@ class Mode:
     used: dict[str, Any] = field(default_factory=dict)
     pins: dict[str, Any] = field(default_factory=dict)
     payload_of: Callable[[], dict[str, Any]] | None = None
-    cache_dir: Any = None
+    cache_dir: str | os.PathLike[str] | None = None
 
     @property
     def payload(self) -> dict[str, Any]:
