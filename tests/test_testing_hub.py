@@ -166,6 +166,24 @@ def test_resolve_headers_range_and_errors(hub: LoopbackHub, folders: dict[str, P
 
 
 @pytest.mark.timeout(60)
+def test_responses_are_sent_without_nagle_delay(hub: LoopbackHub) -> None:
+    """Headers and body of a response go out in two writes; with Nagle's algorithm the body of
+    a small one waits for the client's delayed ACK (about 40 ms per request on Linux loopback,
+    which no real hub adds). Every connection the hub serves has ``TCP_NODELAY`` set."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(hub.endpoint.rsplit(":", 1)[1]),
+                                      timeout=10)
+    try:
+        conn.request("GET", "/%s/resolve/main/nope.json" % LLAMA)  # a small 404, kept alive
+        assert conn.getresponse().read()
+        with hub._lock:
+            served = list(hub._connections)
+        assert served, "the hub tracks no open connection"
+        assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in served)
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(60)
 def test_branches_and_deterministic_commits(tmp_path: Path, folders: dict[str, Path]) -> None:
     again = models.tiny_llama(tmp_path / "again")
     with LoopbackHub() as hub:
