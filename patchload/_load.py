@@ -30,7 +30,7 @@ from . import _state
 from ._compat import (describe_loading_info, initialized_by_follower, loaded_from_leader,
                       warm_conversions)
 from ._patching import Patch
-from ._tensors import entries_of, named_tensors, owner
+from ._tensors import Owners, entries_of, named_tensors
 from ._writes import write_patches
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
 from .coordination.protocol import Call, files_ready, node_leaders_call
@@ -98,12 +98,14 @@ def _model_of(result: Any) -> torch.nn.Module | None:
     return model if isinstance(model, torch.nn.Module) else None
 
 
-def _post_load_reason(model: torch.nn.Module) -> str | None:
+def _post_load_reason(model: torch.nn.Module, entries: list[list[Any]],
+                      unique: list[torch.Tensor]) -> str | None:
     if getattr(model, "hf_quantizer", None) is not None or getattr(
             model.config, "quantization_config", None) is not None:
         return "the checkpoint is quantized"
-    for name, tensor in named_tensors(model):
+    for index, tensor in enumerate(unique):
         if tensor.device.type != "cpu":
+            name = next(e[0] for e in entries if e[2] == index)
             return f"{name} is on {tensor.device}, not the CPU"
     return None
 
@@ -115,15 +117,16 @@ def _share(result: Any, call: Call, mode: Mode
     if model is None:
         return {}, None
     transport = _transport_of(call)
-    reason = _post_load_reason(model)
+    entries, unique = entries_of(model)
+    reason = _post_load_reason(model, entries, unique)
     if reason is None and initialized_by_follower(mode.used.get("loading_info") or {}) is None:
         reason = "keys missing from the checkpoint are initialised inside the step followers skip"
     if reason is not None:
+        unique.clear()  # discarding re-points them; no reference may outlive that here
         transport.discard(model, mode.used)
         logger.info("%s: not sharing weights: %s; followers load them plainly",
                     call.prefix(), reason)
         return {"weights": None, "reason": reason}, None
-    entries, unique = entries_of(model)
     info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "headers": mode.used.get("headers", {}),
             "loading_info": mode.used.get("loading_info"), "transport": transport.name}
@@ -149,10 +152,11 @@ def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
     import torch
 
     params: dict[int, torch.nn.Parameter] = {}
+    owner = Owners(model)
     for name, kind, index, requires_grad in entries:
         if name in skip:
             continue
-        module, attribute = owner(model, name)
+        module, attribute = owner(name)
         if kind == "param":
             if index not in params:
                 params[index] = torch.nn.Parameter(tensors[index], requires_grad=requires_grad)
@@ -246,10 +250,11 @@ def _settle(result: Any, mode: Mode) -> Any:
     model = _model_of(result)
     if model is not None and mode.used.get("received") is not None:
         entries, tensors, skip = mode.used["received"]
+        owner = Owners(model)
         for name, kind, index, _ in entries:
             if name in skip:
                 continue
-            module, attribute = owner(model, name)
+            module, attribute = owner(name)
             if kind == "buffer":
                 module._buffers[attribute] = tensors[index]
             elif module._parameters[attribute].data.data_ptr() != tensors[index].data_ptr():

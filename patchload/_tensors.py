@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["named_tensors", "entries_of", "owner", "repoint"]
+__all__ = ["named_tensors", "entries_of", "Owners", "Repoint"]
 
 
 def named_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
@@ -36,20 +36,40 @@ def entries_of(model: Any) -> tuple[list[list[Any]], list[torch.Tensor]]:
     return entries, unique
 
 
-def owner(model: Any, name: str) -> tuple[Any, str]:
-    """The submodule holding the parameter or buffer ``name``, and its attribute name there."""
-    module_path, _, attribute = name.rpartition(".")
-    return (model.get_submodule(module_path) if module_path else model), attribute
+class Owners:
+    """Finds the submodule holding a parameter or buffer by its dotted name, as
+    ``Module.get_submodule`` does, from one walk of the model's modules (a model has hundreds of
+    tensors; resolving each name attribute by attribute costs milliseconds on the load's critical
+    path). Built per use: a later step of the load may replace submodules."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._modules = dict(model.named_modules(remove_duplicate=False))
+
+    def __call__(self, name: str) -> tuple[Any, str]:
+        """The submodule holding ``name`` and its attribute name there."""
+        module_path, _, attribute = name.rpartition(".")
+        module = self._modules.get(module_path)
+        if module is None:  # not reached by named_modules' walk: resolve it as torch does
+            module = self._model.get_submodule(module_path)
+        return module, attribute
 
 
-def repoint(model: Any, entries: list[list[Any]], index: int, tensor: torch.Tensor) -> None:
-    """Make the model's own tensor ``index`` use ``tensor``'s bytes (equal values): a parameter
-    keeps its object (``.data``), a buffer is replaced under every name it has."""
-    for name, kind, i, _ in entries:
-        if i != index:
-            continue
-        module, attribute = owner(model, name)
-        if kind == "param":
-            module._parameters[attribute].data = tensor
-            return  # one Parameter object serves every tied name
-        module._buffers[attribute] = tensor
+class Repoint:
+    """Makes the model's own tensor ``index`` (of ``entries``) use another tensor's bytes (equal
+    values): a parameter keeps its object (``.data``), a buffer is replaced under every name it
+    has. Built once per share, called once per tensor."""
+
+    def __init__(self, model: Any, entries: list[list[Any]]) -> None:
+        self._owner = Owners(model)
+        self._names: dict[int, list[tuple[str, str]]] = {}
+        for name, kind, index, _ in entries:
+            self._names.setdefault(index, []).append((name, kind))
+
+    def __call__(self, index: int, tensor: torch.Tensor) -> None:
+        for name, kind in self._names.get(index, ()):
+            module, attribute = self._owner(name)
+            if kind == "param":
+                module._parameters[attribute].data = tensor
+                return  # one Parameter object serves every tied name
+            module._buffers[attribute] = tensor

@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from .._shares import OpenShares
-from .._tensors import entries_of, repoint
+from .._tensors import Repoint, entries_of
 from .._writes import MappedModels
 from . import TransportError
 
@@ -67,6 +67,7 @@ class ShmWeights:
         shared_bytes = sum(t.numel() * t.element_size() for t in tensors)
         pending = [t.detach() for t in tensors]
         tensors.clear()
+        repoint = Repoint(model, entries)
         untrimmed_bytes = 0  # freed since the last trim
         freed_any = False
 
@@ -74,7 +75,7 @@ class ShmWeights:
             nonlocal untrimmed_bytes, freed_any
             if replacement is pending[index]:  # shared in place (a file mapping): nothing freed
                 return
-            repoint(model, entries, index, replacement)
+            repoint(index, replacement)
             pending[index] = replacement  # the private original is freed here, one at a time
             freed_any = True
             untrimmed_bytes += replacement.numel() * replacement.element_size()
@@ -138,9 +139,10 @@ def discard_arena(model: torch.nn.Module, used: dict[str, Any]) -> None:
     if arena is None or arena.base is None:  # never opened: nothing was converted into it
         return
     entries, unique = entries_of(model)
+    repoint = Repoint(model, entries)
     for index, tensor in enumerate(unique):
         if arena.owns(tensor):
-            repoint(model, entries, index, tensor.detach().clone())
+            repoint(index, tensor.detach().clone())
     del unique
     arena.close()
 

@@ -439,6 +439,8 @@ def _contiguous_stride(shape: Sequence[int]) -> list[int]:
 
 def _is_dense(t: torch.Tensor) -> bool:
     """True when ``t``'s elements fill ``[data_ptr, data_ptr + nbytes)`` exactly once."""
+    if t.is_contiguous():
+        return True
     expected = 1
     for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1),
                                key=lambda pair: pair[1]):
