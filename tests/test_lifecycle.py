@@ -74,7 +74,9 @@ def test_waiting_followers_and_a_thousand_calls_leave_the_store_as_it_was(
     figures = json.loads(result.read_text())
     (waiting,) = figures["waiting"]
     assert waiting["returned"] == 32, waiting
-    assert waiting["requests"] > 0 and waiting["req_per_s_per_follower"] <= 1.0, waiting
+    # A waiting follower makes about 4 requests per heartbeat (5 s), 0.8 per second on average;
+    # the 11 s window holds 2 or 3 beats depending on when the children started (up to 12/11).
+    assert waiting["requests"] > 0 and waiting["req_per_s_per_follower"] <= 1.2, waiting
     row = figures["row"]
     before, after = row["before"], row["after"]
     assert (after["keys"], after["fds"], after["threads"]) == \
@@ -92,7 +94,7 @@ call, _ = claim(call_key("shares_at_exit", {}, scope="node", topology=current_to
                          config=_state.config(), what="shares_at_exit()"))
 shares = OpenShares()
 mapping = torch.UntypedStorage(64)
-shares.add(call, {}, mapping)
+shares.add(call, {}, [mapping])
 del mapping
 gc.collect()  # the leader's mapping is gone: the watcher asks the store about the followers
 time.sleep(1.2)
