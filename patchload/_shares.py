@@ -42,8 +42,12 @@ _LATE_S: Final = 5.0  # how long after the share a rank that has not arrived is 
 class _Share:
     call: Call
     descriptor: dict[str, Any]
-    mapping: Any  # StorageWeakRef of the leader's own mapping of the blob
+    mappings: list[Any]  # StorageWeakRef of each leader tensor's storage viewing the blob
     shared_at: float = field(default_factory=time.monotonic)
+
+    def unmapped(self) -> bool:
+        """Whether the leader's own tensors no longer view the blob."""
+        return all(m.expired() for m in self.mappings)
 
 
 class OpenShares:
@@ -57,13 +61,13 @@ class OpenShares:
         self._stopping = threading.Event()
 
     def add(self, call: Call, descriptor: dict[str, Any],
-            mapping: torch.UntypedStorage) -> None:
-        """Keep the blob of ``descriptor`` (shared for ``call``; the leader's tensors are views
-        of ``mapping``, its own mapping of it) open while a rank of the node may need it (see
-        the module docstring). Not collective."""
+            storages: list[torch.UntypedStorage]) -> None:
+        """Keep the blob of ``descriptor`` (shared for ``call``; ``storages`` are those of the
+        leader's tensors viewing its own mapping of it) open while a rank of the node may need
+        it (see the module docstring). Not collective."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        share = _Share(call, descriptor, StorageWeakRef(mapping))
+        share = _Share(call, descriptor, [StorageWeakRef(s) for s in storages])
         with self._lock:
             if not self._exit_hooked:
                 atexit.register(self.release_at_exit)
@@ -104,7 +108,7 @@ class OpenShares:
                         return
                     shares = list(self._shares)
                 for share in shares:
-                    if share.mapping.expired() and not self._stopping.is_set():
+                    if share.unmapped() and not self._stopping.is_set():
                         self._close_if_done(share)
                 self._stopping.wait(_WATCH_S)
         except Exception as err:  # noqa: BLE001 - the blobs left are closed at exit

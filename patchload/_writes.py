@@ -47,12 +47,12 @@ logger = logging.getLogger(__name__)
 @dataclass(eq=False)
 class _Mapped:
     model: weakref.ref[Any]
-    storage_ptr: int  # data_ptr of this rank's mapping of the blob (one storage for all views)
-    mapping: Any  # StorageWeakRef of that mapping: gone once no tensor views it
+    storage_ptrs: frozenset[int]  # data_ptr of each storage viewing this rank's mapping of a blob
+    mappings: list[Any]  # StorageWeakRef of those storages: the mapping goes with the last
     prefix: str
 
     def live(self) -> bool:
-        return self.model() is not None and not self.mapping.expired()
+        return self.model() is not None and not all(m.expired() for m in self.mappings)
 
 
 class MappedModels:
@@ -62,14 +62,15 @@ class MappedModels:
         self._mapped: list[_Mapped] = []
         self._lock = threading.Lock()
 
-    def add(self, model: Any, storage: torch.UntypedStorage, prefix: str) -> None:
-        """Track ``model``, whose tensors view ``storage`` (this rank's ``MAP_PRIVATE`` mapping
-        of a blob). Not collective."""
+    def add(self, model: Any, storages: list[torch.UntypedStorage], prefix: str) -> None:
+        """Track ``model``, whose tensors have ``storages`` (one per tensor, each viewing this
+        rank's ``MAP_PRIVATE`` mapping of a blob). Not collective."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
+        mapped = _Mapped(weakref.ref(model), frozenset(s.data_ptr() for s in storages),
+                         [StorageWeakRef(s) for s in storages], prefix)
         with self._lock:
-            self._mapped.append(_Mapped(weakref.ref(model), storage.data_ptr(),
-                                        StorageWeakRef(storage), prefix))
+            self._mapped.append(mapped)
 
     def __bool__(self) -> bool:
         return bool(self._mapped)
@@ -82,7 +83,7 @@ class MappedModels:
             self._mapped = [m for m in self._mapped if m.live()]
             if not self._mapped:
                 return
-            by_ptr = {m.storage_ptr: m for m in self._mapped}
+            by_ptr = {ptr: m for m in self._mapped for ptr in m.storage_ptrs}
         hit: list[_Mapped] = []
         for tensor in tensors:
             mapped = by_ptr.get(_storage_ptr(tensor))
@@ -125,24 +126,44 @@ def _python_refs_of_a_fresh_storage() -> int:
     return sys.getrefcount(storage)
 
 
+def _held_elsewhere(views: list[torch.Tensor], sharing: dict[int, int]) -> bool:
+    """Whether a storage of ``views`` is held by more than those views (another view, or its
+    storage object, kept by the user): copying the views out would then free nothing."""
+    import torch
+
+    fresh = _python_refs_of_a_fresh_storage()
+    checked: set[int] = set()
+    for view in views:
+        storage = view.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in checked:
+            continue
+        checked.add(ptr)
+        # Each view holds one reference to its storage, and so does `storage` itself; a storage
+        # object the user holds is this same Python object, with more Python references.
+        if (torch._C._storage_Use_Count(storage._cdata) - sharing[ptr] - 1 > 0
+                or sys.getrefcount(storage) > fresh):
+            return True
+    return False
+
+
 def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
     import torch
 
     seen: set[int] = set()
     views: list[torch.Tensor] = []
+    sharing: dict[int, int] = {}  # storage data_ptr -> how many of the views have that storage
     for _, tensor in list(model.named_parameters(remove_duplicate=False)) + list(
             model.named_buffers(remove_duplicate=False)):
-        if id(tensor) not in seen and _storage_ptr(tensor) == mapped.storage_ptr:
+        ptr = _storage_ptr(tensor)
+        if id(tensor) not in seen and ptr in mapped.storage_ptrs:
             seen.add(id(tensor))
             views.append(tensor)
+            sharing[ptr] = sharing.get(ptr, 0) + 1  # type: ignore[index]
     if not views:
         return
-    storage = views[0].untyped_storage()
-    # Each tensor object holds one reference to the storage, and so does `storage` itself; a
-    # storage object the user holds is this same Python object, with more Python references.
-    others = torch._C._storage_Use_Count(storage._cdata) - len(views) - 1
     reason = None
-    if others > 0 or sys.getrefcount(storage) > _python_refs_of_a_fresh_storage():
+    if _held_elsewhere(views, sharing):
         reason = "other views of them, or their storage, are held"
     elif torch.is_inference_mode_enabled() or any(v.is_inference() for v in views):
         reason = "inference tensors are involved (a copy would change is_inference())"
@@ -157,7 +178,7 @@ def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
             private.copy_(tensor)
             tensor.data = private
             copied += private.numel() * private.element_size()
-    del storage, views, private
+    del views, private
     logger.info("%s: %s: copied %d bytes of weights out of the node's shared copy into this "
                 "rank's private memory (a plain load's layout) before they are written",
                 mapped.prefix, why, copied)

@@ -436,15 +436,17 @@ def test_follower_exception_keeps_what_handlers_read():
 
 # --- copy-out before writes (patchload._writes) ---------------------------------------------------
 
-def _model_on_one_storage():
-    """Two linear layers, a tied weight and a buffer, all views of one storage made the way
-    ``shm.attach`` makes them (``set_``: no ``_base``), and that storage."""
+def _model_on_one_mapping():
+    """Two linear layers, a tied weight and a buffer, each with a storage of its own over one
+    region, made the way ``shm.attach`` makes them; and those storages."""
     import torch
 
-    storage = torch.arange(44, dtype=torch.float32).untyped_storage()
+    from patchload.transport import shm
+
+    region = torch.arange(44, dtype=torch.float32).view(torch.uint8).numpy()
 
     def view(offset, shape, stride):
-        return torch.empty(0).set_(storage, offset, shape, stride)
+        return shm._view(region, offset * 4, torch.float32, shape, stride)
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     model[1].weight = model[0].weight  # tied: one Parameter under two names
@@ -453,7 +455,9 @@ def _model_on_one_storage():
         model[0].bias.data = view(16, (4,), (1,))
         model[1].bias.data = view(20, (4,), (1,))
     model.register_buffer("scale", view(24, (20,), (1,)))
-    return model, storage
+    storages = [t.untyped_storage() for t in (model[0].weight, model[0].bias, model[1].bias,
+                                              model.scale)]
+    return model, storages
 
 
 @pytest.mark.parametrize("hold", [None, "view", "storage", "inference"])
@@ -462,11 +466,11 @@ def test_copy_out_keeps_values_and_objects_and_refuses_what_it_cannot_keep(hold)
 
     from patchload._writes import MappedModels
 
-    model, storage = _model_on_one_storage()
+    model, storages = _model_on_one_mapping()
     mapped = MappedModels()
-    mapped.add(model, storage, "[test]")
-    base = storage.data_ptr()
-    del storage
+    mapped.add(model, storages, "[test]")
+    bases = {s.data_ptr() for s in storages}
+    del storages
     tensors = list(model.parameters()) + list(model.buffers())
     before = [(t.detach().clone(), t.stride()) for t in tensors]
     held = None
@@ -485,7 +489,7 @@ def test_copy_out_keeps_values_and_objects_and_refuses_what_it_cannot_keep(hold)
     assert model[1].weight is model[0].weight
     for (value, stride), t in zip(before, after):
         assert torch.equal(value, t) and t.stride() == stride
-    copied = {t.untyped_storage().data_ptr() != base for t in after}
+    copied = {t.untyped_storage().data_ptr() not in bases for t in after}
     # Every tensor of the model leaves the mapping at once, or none does.
     assert copied == ({True} if hold is None else {False}), hold
     assert not mapped  # copied or refused: not tried again

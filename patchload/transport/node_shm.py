@@ -89,10 +89,10 @@ class ShmWeights:
         if freed_any:
             _trim_heap()
         if descriptor.get("fd") is not None:  # followers open the blob through this process
-            mapping = _blob_storage(descriptor, pending)
-            self.shares.add(call, descriptor, mapping)
-            self.mapped.add(model, mapping, f"{call.prefix()} {call.what}")
-            del mapping
+            storages = _blob_storages(descriptor, pending)
+            self.shares.add(call, descriptor, storages)
+            self.mapped.add(model, storages, f"{call.prefix()} {call.what}")
+            del storages
         logger.info("%s: shared %d tensors (%d bytes) with this node's ranks (%d bytes copied "
                     "into shared memory)", call.prefix(), len(entries), shared_bytes,
                     descriptor["copied_bytes"])
@@ -116,9 +116,9 @@ class ShmWeights:
     def settle(self, call: Call, model: torch.nn.Module, weights: dict[str, Any],
                tensors: list[torch.Tensor]) -> None:
         """Track the model while it maps the blob (its weights leave it before being written)."""
-        blob = _blob_storage(weights["descriptor"], tensors)
-        if blob is not None:
-            self.mapped.add(model, blob, f"{call.prefix()} {call.what}")
+        storages = _blob_storages(weights["descriptor"], tensors)
+        if storages:
+            self.mapped.add(model, storages, f"{call.prefix()} {call.what}")
 
 
 def prepare_arena(model: torch.nn.Module, used: dict[str, Any]) -> None:
@@ -147,14 +147,12 @@ def discard_arena(model: torch.nn.Module, used: dict[str, Any]) -> None:
     arena.close()
 
 
-def _blob_storage(descriptor: dict[str, Any], tensors: list[torch.Tensor]
-                  ) -> torch.UntypedStorage | None:
-    """This rank's mapping of the blob, when ``tensors`` (in the order of the descriptor's
-    entries) include views of one."""
-    for entry, tensor in zip(descriptor["tensors"], tensors):
-        if entry["kind"] == "blob":
-            return tensor.untyped_storage()
-    return None
+def _blob_storages(descriptor: dict[str, Any], tensors: list[torch.Tensor]
+                   ) -> list[torch.UntypedStorage]:
+    """The storages of those of ``tensors`` (in the order of the descriptor's entries) that
+    view this rank's mapping of the blob: it lives while any of them does."""
+    return [tensor.untyped_storage() for entry, tensor in zip(descriptor["tensors"], tensors)
+            if entry["kind"] == "blob"]
 
 
 def _trim_heap() -> None:

@@ -11,6 +11,12 @@ file), checks it is the very inode the leader described, and maps it ``MAP_PRIVA
 shared until someone writes; a write gives the writer a private page and changes nothing for the
 others. No named file is created in ``/dev/shm``; the blob vanishes with its last fd or mapping.
 
+Every tensor made from a mapping (a follower's, and the leader's replacements) has a storage of
+its own, exactly its bytes at storage offset 0, as a plain load's tensors have: what a user sees
+of a storage (``torch.save`` of one tensor, ``untyped_storage().nbytes()``, transformers' shared
+tensor checks) is what a plain load gives. Those storages keep the one mapping alive; it is
+unmapped when the last of them goes.
+
 Linux only (``memfd_create``, ``/proc``). Neither function is collective and neither uses
 ``torch.distributed``.
 """
@@ -28,6 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Final, Mapping, Sequence
 
+import numpy
 import torch
 
 from patchload.coordination.identity import node_id
@@ -303,13 +310,12 @@ def _fill(fd: int, blob_bytes: int, tensors: Sequence[torch.Tensor],
     view of a private mapping of the blob) at once, in order; returns the replacements."""
     # Mapped before writing: a private mapping sees the file's writes until a page is COW'd,
     # and nothing touches these pages before they are written.
-    storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=False,
-                                             nbytes=blob_bytes)
+    region = _private_mapping(f"/proc/self/fd/{fd}", blob_bytes)
     replacements: list[torch.Tensor] = []
     for index, entry in enumerate(entries):
         if entry["kind"] == "blob" and index not in staged:
             descriptor["copied_bytes"] += _write(fd, tensors[index], entry)
-        replacement = _replacement(storage, tensors[index], entry)
+        replacement = _replacement(region, tensors[index], entry)
         replacements.append(replacement)
         if on_shared is not None:
             on_shared(index, replacement)
@@ -327,11 +333,11 @@ def _write(fd: int, tensor: torch.Tensor, entry: dict[str, Any]) -> int:
     return nbytes
 
 
-def _replacement(storage: torch.UntypedStorage, tensor: torch.Tensor,
+def _replacement(region: numpy.ndarray, tensor: torch.Tensor,
                  entry: dict[str, Any]) -> torch.Tensor:
     if entry["kind"] != "blob":
         return tensor
-    return _view(storage, entry["offset"], tensor.dtype, tensor.shape, entry["stride"])
+    return _view(region, entry["offset"], tensor.dtype, tensor.shape, entry["stride"])
 
 
 def _register(fd: int, blob_bytes: int) -> None:
@@ -350,8 +356,9 @@ def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
         descriptor: what :func:`share` returned on the leader, after a JSON round trip.
 
     Returns:
-        One CPU tensor per shared tensor, in order, with the leader's shape, dtype and stride.
-        Tensors of one blob or one file share one storage (like a zero-copy safetensors load).
+        One CPU tensor per shared tensor, in order, with the leader's shape, dtype and stride,
+        each with a storage of its own (like a zero-copy safetensors load's); those of one blob
+        or one file view one mapping of it.
 
     Raises:
         LeaderGoneError: the leader process has exited, or closed the blob (:func:`release`),
@@ -375,11 +382,11 @@ def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
                              "another host, in another PID namespace or before a reboot; shm "
                              "works inside one node only", cause="node differs")
 
-    blob: torch.UntypedStorage | None = None
+    blob: numpy.ndarray | None = None
     if descriptor.get("fd") is not None:
         blob = _map_blob(pid, int(descriptor["fd"]), int(descriptor["nbytes"]),
                          descriptor.get("dev"), descriptor.get("ino"))
-    file_storages: dict[int, torch.UntypedStorage] = {}
+    file_regions: dict[int, numpy.ndarray] = {}
     out: list[torch.Tensor] = []
     for index, entry in enumerate(entries):
         meta = TensorMeta.from_json(entry["meta"])
@@ -391,19 +398,20 @@ def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
         if kind == "blob":
             if blob is None:
                 raise ValueError(f"shm descriptor entry {index} is a blob region but no blob fd")
-            storage = blob
+            region = blob
         elif kind == "file":
             file_no = int(entry["file"])
-            storage = file_storages.get(file_no)
-            if storage is None:
-                storage = file_storages[file_no] = _map_file(pid, files[file_no])
+            region = file_regions.get(file_no)
+            if region is None:
+                region = file_regions[file_no] = _map_file(pid, files[file_no])
         else:
             raise ValueError(f"shm descriptor entry {index} has unknown kind {kind!r}")
         offset = int(entry["offset"])
-        if offset % dtype.itemsize or offset + meta.nbytes > storage.nbytes():
+        extent = _extent_bytes(meta.shape, entry["stride"], dtype.itemsize)
+        if offset % dtype.itemsize or offset < 0 or offset + extent > len(region):
             raise ValueError(f"shm descriptor entry {index}: region [{offset}, "
-                             f"{offset + meta.nbytes}) does not fit its {storage.nbytes()} bytes")
-        out.append(_view(storage, offset, dtype, meta.shape, entry["stride"]))
+                             f"{offset + extent}) does not fit its {len(region)} bytes")
+        out.append(_view(region, offset, dtype, meta.shape, entry["stride"]))
     logger.debug("attached %d tensors shared by pid %d (blob %d bytes, %d files)", len(out), pid,
                  int(descriptor.get("nbytes") or 0), len(files))
     return out
@@ -561,10 +569,26 @@ def _log_summary(descriptor: Mapping[str, Any]) -> None:
 # --- shared helpers -----------------------------------------------------------------------------
 
 
-def _view(storage: torch.UntypedStorage, offset_bytes: int, dtype: torch.dtype,
+def _private_mapping(path: str, nbytes: int) -> numpy.ndarray:
+    """``path``'s first ``nbytes`` mapped ``MAP_PRIVATE`` (copy-on-write), as a writable uint8
+    array; the array keeps the mapping alive."""
+    storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+
+
+def _extent_bytes(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> int:
+    """Bytes from a non-empty strided tensor's first element to the end of its last one."""
+    return (1 + sum((size - 1) * step for size, step in zip(shape, stride))) * itemsize
+
+
+def _view(region: numpy.ndarray, offset_bytes: int, dtype: torch.dtype,
           shape: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
-    return torch.empty(0, dtype=dtype).set_(storage, offset_bytes // dtype.itemsize,
-                                            tuple(shape), tuple(stride))
+    """A non-empty tensor at ``offset_bytes`` of ``region`` with a storage of its own (a plain
+    load's layout: exactly its bytes, storage offset 0) that keeps the region alive."""
+    extent = _extent_bytes(shape, stride, dtype.itemsize)
+    storage = torch.frombuffer(region[offset_bytes:offset_bytes + extent],
+                               dtype=torch.uint8).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), tuple(stride))
 
 
 # --- follower helpers ---------------------------------------------------------------------------
@@ -579,7 +603,7 @@ def _leader_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _map_blob(pid: int, fd: int, nbytes: int, dev: Any, ino: Any) -> torch.UntypedStorage:
+def _map_blob(pid: int, fd: int, nbytes: int, dev: Any, ino: Any) -> numpy.ndarray:
     path = f"/proc/{pid}/fd/{fd}"
     try:
         own = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -610,13 +634,12 @@ def _map_blob(pid: int, fd: int, nbytes: int, dev: Any, ino: Any) -> torch.Untyp
             raise ShmAttachError(f"cannot attach to the tensors shared by pid {pid}: blob fd {fd} "
                                  f"is not sealed or not {nbytes} bytes (seals {seals:#x}, size "
                                  f"{st.st_size})", cause="blob not sealed")
-        return torch.UntypedStorage.from_file(f"/proc/self/fd/{own}", shared=False,
-                                              nbytes=nbytes)
+        return _private_mapping(f"/proc/self/fd/{own}", nbytes)
     finally:
         os.close(own)
 
 
-def _map_file(pid: int, info: Mapping[str, Any]) -> torch.UntypedStorage:
+def _map_file(pid: int, info: Mapping[str, Any]) -> numpy.ndarray:
     path = str(info["path"])
     try:
         own = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -632,7 +655,6 @@ def _map_file(pid: int, info: Mapping[str, Any]) -> torch.UntypedStorage:
             raise ShmAttachError(f"cannot attach to the tensors shared by pid {pid}: its "
                                  f"checkpoint file {path!r} changed since it was shared",
                                  cause="file identity differs")
-        return torch.UntypedStorage.from_file(f"/proc/self/fd/{own}", shared=False,
-                                              nbytes=st.st_size)
+        return _private_mapping(f"/proc/self/fd/{own}", st.st_size)
     finally:
         os.close(own)

@@ -219,20 +219,29 @@ def _jsonable(obj: Any) -> Any:
 
 def module_fingerprint(model: Any) -> dict[str, Any]:
     """Every named parameter and buffer (persistent or not, tied names included): dtype, shape,
-    device, requires_grad, sha256 of the bytes; the tie groups; the training flags."""
+    stride, device, requires_grad, sha256 of the bytes, its storage as user code sees it (offset
+    in it, its size: what ``torch.save`` of the tensor writes); the tie groups; the groups of
+    distinct tensors that share one storage; the training flags."""
     tensors: dict[str, Any] = {}
     groups: dict[int, list[str]] = {}
+    storages: dict[int, dict[int, str]] = {}  # storage data_ptr -> tensor id -> first name
     for kind, named in (("param", model.named_parameters(remove_duplicate=False)),
                         ("buffer", model.named_buffers(remove_duplicate=False))):
         for name, t in named:
+            storage = t.untyped_storage() if t.device.type != "meta" else None
             tensors[name] = {"kind": kind, "dtype": str(t.dtype), "shape": list(t.shape),
-                             "device": str(t.device), "requires_grad": bool(t.requires_grad),
-                             "sha256": tensor_sha(t)}
+                             "stride": list(t.stride()), "device": str(t.device),
+                             "requires_grad": bool(t.requires_grad), "sha256": tensor_sha(t),
+                             "storage": None if storage is None else [t.storage_offset(),
+                                                                      storage.nbytes()]}
             groups.setdefault(id(t), []).append(name)
+            if storage is not None and storage.nbytes():
+                storages.setdefault(storage.data_ptr(), {}).setdefault(id(t), name)
     return {
         "class": type(model).__name__,
         "tensors": tensors,
         "ties": sorted(sorted(g) for g in groups.values() if len(g) > 1),
+        "shared_storages": sorted(sorted(g.values()) for g in storages.values() if len(g) > 1),
         "training": bool(model.training),
         "training_modules": sorted(n for n, m in model.named_modules() if m.training),
     }
