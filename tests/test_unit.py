@@ -186,6 +186,76 @@ def test_follower_exception_of_unknown_class_is_leader_failed():
     assert type(exc) is LeaderFailedError and "p: m" in str(exc) and "not.imported.Boom" in str(exc)
 
 
+@pytest.mark.timeout(60)
+def test_a_follower_whose_leader_failed_after_announcing_its_files_runs_its_own_part():
+    """A model load's follower that arrived before its leader failed, and looked only after
+    (still in its ``idle`` work), runs its own part of the call as one that looked earlier does:
+    what it raises (its own error where its own build fails, else the leader's at the reading
+    step) must not depend on timing."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from patchload._topology import Topology
+    from patchload.coordination import protocol
+    from patchload.coordination.store import JobStore
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+
+    def call_of(rank: int) -> protocol.Call:
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                               timeout=timedelta(seconds=30))
+        return protocol.Call("t/announced-then-failed/", "load()", "job",
+                             Topology(rank, 2, rank, 2, 0, "torchrun"), Config(),
+                             JobStore(client, "agent", threading.RLock()))
+
+    leader_failed = threading.Event()
+    seen: dict[str, object] = {}
+
+    def lead(call: protocol.Call):
+        call.store.store.wait([call.key + "arrived/1"])  # the follower follows this attempt
+        protocol.files_ready(call)
+        raise ValueError("the leader's own __init__ failed")
+
+    def leader() -> None:
+        try:
+            protocol.leader_first(call_of(0), lead, None, early=True)
+        except ValueError as err:
+            seen["leader"] = str(err)
+        finally:
+            leader_failed.set()
+
+    def follow(call, role, payload):
+        seen["followed"] = True
+        try:
+            payload()
+        except ValueError as err:  # the leader's error, at the reading step
+            seen["payload"] = type(err).__mro__[1].__name__
+        raise KeyError("this rank's own build failed")
+
+    def follower() -> None:
+        try:
+            protocol.leader_first(call_of(1), None, follow, early=True,
+                                  idle=lambda: leader_failed.wait(30))
+        except Exception as err:  # noqa: BLE001 - recorded for the assertion
+            seen["follower"] = repr(err)
+
+    threads = [threading.Thread(target=follower), threading.Thread(target=leader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(45)
+    # The leader's heartbeat thread ends once it beats no call (it looks every 0.1 s).
+    for _ in range(50):
+        if not any(t.name == "patchload-heartbeat" for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.1)
+    assert seen == {"leader": "the leader's own __init__ failed", "followed": True,
+                    "payload": "ValueError",
+                    "follower": "KeyError(\"this rank's own build failed\")"}, seen
+
+
 _PATCHED_NAMES = """
 import json, huggingface_hub, huggingface_hub.file_download as fd, huggingface_hub._snapshot_download as sd
 import huggingface_hub.repocard as rc, transformers.utils.hub as th

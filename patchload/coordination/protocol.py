@@ -326,6 +326,12 @@ def _outcome_or_files(call: Call, or_files: bool) -> tuple[bool, dict[str, Any] 
     return (or_files and call.store.store.check([call.key + "files"])), None
 
 
+def _announced(call: Call) -> bool:
+    """Whether the leader announced its files (:func:`files_ready`)."""
+    with call.store.lock:
+        return bool(call.store.store.check([call.key + "files"]))
+
+
 def _bytes_under(path: str | None) -> int:
     """Bytes of the files under ``path`` (partial downloads included); 0 when absent."""
     if path is None:
@@ -426,9 +432,9 @@ def leader_first(call: Call,
             (e.g. a broadcast the followers join after reading the payload). An exception from
             ``after`` is logged, not raised: the leader's own result is already good.
         follow: run by a follower with the attempt, the leader's role and a function returning
-            the leader's payload: once the leader succeeded, or, with ``early``, as soon as the leader
-            announced its files (the function then waits for the outcome, and raises the
-            leader's failure).
+            the leader's payload: once the leader succeeded, or, with ``early``, once the leader
+            announced its files, even if it has failed since (the function then waits for the
+            outcome, and raises the leader's failure).
         early: let followers start once the leader's files are in the cache.
         idle: run by a follower before it waits: work its own part does anyway, done while the
             leader downloads (an exception from it is raised).
@@ -475,8 +481,11 @@ def leader_first(call: Call,
                 raise_failure(call, role, outcome)
             return outcome.get("payload") or {}
 
-        if outcome is not None:
-            payload()  # the leader failed: raise before following
+        if outcome is not None and not outcome.get("ok") and not (early and _announced(call)):
+            payload()  # the leader failed before its files were in the cache: raise now
+        # Once they were, a follower runs its own part of the call, as plain does (raising its
+        # own error where that fails too), whether or not the leader had failed by the time it
+        # looked: the error it ends with does not depend on timing.
         return follow(call, role, payload)
     finally:
         with call.store.lock:
