@@ -275,6 +275,25 @@ ARCHITECTURES = Scenario(
     ), Requests.ONE_PER_CACHE, setup=_architectures_setup)
 
 
+def _init_error_setup(ctx: SetupContext) -> None:
+    """A BERT whose config loads but whose model cannot be built: its hidden size (32) is not a
+    multiple of its attention heads (5), which ``BertSelfAttention.__init__`` rejects, after
+    every file is resolved (so followers have started building their own skeleton)."""
+    folder = _models().tiny_bert(ctx.assets / "bert-bad-heads", seed=26, with_tokenizer=False)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_attention_heads"] = 5
+    (folder / "config.json").write_text(json.dumps(config))
+    ctx.hub.add_repo("diff/bert-bad-heads", folder)
+
+
+INIT_ERROR = Scenario(
+    "init-error", (
+        {"name": "model", "op": "model", "repo": "diff/bert-bad-heads",
+         "cls": "AutoModelForMaskedLM"},
+        {"name": "config", "op": "config", "repo": "diff/bert-bad-heads"},
+    ), Requests.ONE_PER_CACHE, setup=_init_error_setup)
+
+
 def _train_setup(ctx: SetupContext) -> None:
     import torch
 
@@ -323,7 +342,7 @@ GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
     Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
-                           TRAIN, ARCHITECTURES, BIN_ONLY),
+                           TRAIN, ARCHITECTURES, INIT_ERROR, BIN_ONLY),
           variants={"shm": {}, "collective": {"PATCHLOAD_TRANSPORT": "collective"}}),
 )
 SCENARIOS = {s.name: (g, s) for g in GROUPS for s in g.scenarios}
@@ -447,8 +466,8 @@ def test_shared_scenarios_set_up_what_they_claim(harness: Harness) -> None:
     met the 404 and the others did not; the new heads are missing keys initialised per rank
     (different per-rank seeds give different heads, the shared seed equal ones); each rank
     loaded its own ``./ckpt``; the ``.bin`` repo's auto-conversion thread called the hub's
-    model-info, commits and discussions endpoints, all answered; the ViT's new head differs per
-    rank."""
+    model-info, commits and discussions endpoints, all answered; the model that cannot be built
+    failed on every rank; the ViT's new head differs per rank."""
     steps = _plain_steps(harness, "shared-cache")
     assert not steps[0]["probe/local-only"]["attempts"][0]["ok"]
     assert all(_obs(s["probe/config"]) for s in steps.values())
@@ -474,6 +493,12 @@ def test_shared_scenarios_set_up_what_they_claim(harness: Harness) -> None:
     assert kinds == {"info": 200, "commits": 200, "discussions": 200}, api
     snapshot = _obs(steps[0]["threads/snapshot"])["files"]
     assert sum(name.endswith(".safetensors") for name in snapshot) > 1, snapshot
+    # Every rank's model build failed (a ValueError from the model's __init__); its config loads.
+    for s in steps.values():
+        (attempt,) = s["init-error/model"]["attempts"]
+        assert not attempt["ok"] and attempt["error"]["type"] == "ValueError", attempt
+        assert "not a multiple of the number of attention heads" in attempt["error"]["message"]
+        assert _obs(s["init-error/config"])
     # The new heads of other sizes are initialised per rank; the fused Mixtral loaded.
     vit = {_obs(s["architectures/vit-new-head"])["fingerprint"]["tensors"]["classifier.weight"][
         "sha256"] for s in steps.values()}
