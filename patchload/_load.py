@@ -129,7 +129,14 @@ def _share(result: Any, call: Call, mode: Mode
         return {"weights": None, "reason": reason}, None
     info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "headers": mode.used.get("headers", {}),
-            "loading_info": mode.used.get("loading_info"), "transport": transport.name}
+            "loading_info": mode.used.get("loading_info"), "transport": transport.name,
+            # Inference tensors (made inside torch.inference_mode() on the loading thread):
+            # followers make theirs so too.
+            "inference": [i for i, t in enumerate(unique) if t.is_inference()],
+            # transformers' "loaded" mark, where the leader's tensors carry it (followers mark
+            # every tensor they receive while loading, then set these).
+            "marked": {str(i): t._is_hf_initialized for i, t in enumerate(unique)
+                       if hasattr(t, "_is_hf_initialized")}}
     try:
         payload, after = transport.share(call, model, entries, unique, mode.used)
     except BaseException:
@@ -159,7 +166,10 @@ def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
         module, attribute = owner(name)
         if kind == "param":
             if index not in params:
-                params[index] = torch.nn.Parameter(tensors[index], requires_grad=requires_grad)
+                # As the leader made it: an inference tensor's only inside inference_mode().
+                with torch.inference_mode(tensors[index].is_inference()):
+                    params[index] = torch.nn.Parameter(tensors[index],
+                                                       requires_grad=requires_grad)
                 params[index]._is_hf_initialized = True
             module._parameters[attribute] = params[index]
         else:
@@ -216,13 +226,13 @@ def receive(mode: Mode, model: Any) -> bool:
     entries = weights["entries"]
     tensors = None
     if transport.collective:  # a member joins before anything else: the others wait for it
-        tensors = transport.receive(mode.call, weights, mode.used)
+        tensors = _received(transport, mode, weights)
     verify_so_far(mode)
     skip = initialized_by_follower(weights.get("loading_info") or {})
     if skip is None:  # this transformers line initialises them inside the replaced step
         return False
     if not transport.collective:
-        tensors = transport.receive(mode.call, weights, mode.used)
+        tensors = _received(transport, mode, weights)
     if tensors is None:  # not a member, a broken broadcast, a failed attach: load plainly
         return False
     _check_structure(model, entries, [meta_of(t) for t in tensors], skip)
@@ -233,6 +243,23 @@ def receive(mode: Mode, model: Any) -> bool:
                                       for i in taken)
     mode.used["received_how"] = transport.verb
     return True
+
+
+def _received(transport: Any, mode: Mode, weights: dict[str, Any]) -> list[torch.Tensor] | None:
+    """The transport's tensors, each an inference tensor exactly where the leader's is (a
+    plain load inside ``torch.inference_mode()`` makes some, on the thread that loads them)."""
+    import torch
+
+    with torch.inference_mode(False):
+        tensors = transport.receive(mode.call, weights, mode.used)
+    if tensors is None:
+        return None
+    for index in weights.get("inference", ()):
+        t = tensors[index]
+        with torch.inference_mode():  # the same bytes and storage, no copy
+            tensors[index] = torch.empty(0, dtype=t.dtype).set_(
+                t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return tensors
 
 
 def _abandon(mode: Mode) -> None:
@@ -246,20 +273,28 @@ def _abandon(mode: Mode) -> None:
 def _settle(result: Any, mode: Mode) -> Any:
     """Follower, after the original call returned: re-point every tensor at the leader's bytes
     (transformers re-creates non-persistent buffers after loading; their values must match),
-    but those this rank initialised itself."""
+    but those this rank initialised itself, and give each transformers' "loaded" mark as the
+    leader's has it."""
     model = _model_of(result)
     if model is not None and mode.used.get("received") is not None:
         entries, tensors, skip = mode.used["received"]
+        weights = mode.payload["weights"]
+        marked = weights.get("marked", {})
         owner = Owners(model)
         for name, kind, index, _ in entries:
             if name in skip:
                 continue
             module, attribute = owner(name)
             if kind == "buffer":
-                module._buffers[attribute] = tensors[index]
-            elif module._parameters[attribute].data.data_ptr() != tensors[index].data_ptr():
-                module._parameters[attribute].data = tensors[index]
-        weights = mode.payload["weights"]
+                module._buffers[attribute] = tensor = tensors[index]
+            else:
+                tensor = module._parameters[attribute]
+                if tensor.data.data_ptr() != tensors[index].data_ptr():
+                    tensor.data = tensors[index]
+            if str(index) in marked:
+                tensor._is_hf_initialized = marked[str(index)]
+            elif hasattr(tensor, "_is_hf_initialized"):
+                del tensor._is_hf_initialized
         _TRANSPORTS[weights["transport"]].settle(mode.call, model, weights, tensors)
         # The model holds them now; no other reference may pin a mapping (see _writes).
         mode.used["received"] = None

@@ -72,4 +72,7 @@ class Repoint:
             if kind == "param":
                 module._parameters[attribute].data = tensor
                 return  # one Parameter object serves every tied name
+            old = module._buffers[attribute]
+            if old is not None and hasattr(old, "_is_hf_initialized"):  # transformers' mark
+                tensor._is_hf_initialized = old._is_hf_initialized
             module._buffers[attribute] = tensor

@@ -131,6 +131,11 @@ HAPPY = Scenario(
         {"name": "llama-sharded", "op": "model", "repo": "happy/llama-sharded"},
         {"name": "bf16-to-fp32", "op": "model", "repo": "happy/llama-bf16",
          "kwargs": {"dtype": "float32"}},
+        # user code that loads inside torch.inference_mode() and fine-tunes outside it
+        {"name": "bf16-to-fp32-inference-mode", "op": "model", "repo": "happy/llama-bf16",
+         "kwargs": {"dtype": "float32"}, "inference_mode": True},
+        {"name": "bf16-inference-mode", "op": "model", "repo": "happy/llama-bf16",
+         "inference_mode": True},
         {"name": "bert", "op": "model", "repo": "happy/bert", "cls": "AutoModelForMaskedLM"},
         {"name": "bert-tokenizer", "op": "tokenizer", "repo": "happy/bert"},
     ), Requests.ONE_PER_CACHE, setup=_happy_setup)

@@ -206,6 +206,20 @@ def _offline(kwargs: dict[str, Any]) -> dict[str, Any]:
     return offline
 
 
+def _as_asked(result: Any, kwargs: dict[str, Any]) -> Any:
+    """``result`` of a call a follower made offline, showing the ``local_files_only`` its caller
+    asked for where it records its arguments: a tokenizer keeps it in ``init_kwargs``, which
+    ``save_pretrained`` writes into ``tokenizer_config.json`` (plain: the argument, or True in
+    offline mode, as ``PreTrainedTokenizerBase.from_pretrained`` sets it)."""
+    init_kwargs = getattr(result, "init_kwargs", None)
+    if (isinstance(init_kwargs, dict) and init_kwargs.get("local_files_only") is True
+            and not kwargs.get("local_files_only")):
+        from huggingface_hub import constants
+
+        init_kwargs["local_files_only"] = bool(constants.HF_HUB_OFFLINE)
+    return result
+
+
 def _rng_state() -> Any:
     """torch's random-number state: the CPU generator's, and every CUDA device's once CUDA is
     initialised (a load with ``device_map`` draws there)."""
@@ -298,7 +312,7 @@ class _Coordinated:
         try:
             if self.local:
                 self._check_local(mode)
-            result = self._run(mode, self.wrapped, kwargs)
+            result = _as_asked(self._run(mode, self.wrapped, kwargs), self.kwargs)
             differences = _differences(mode.pins, mode.payload.get("pins", {}))
             if differences:
                 raise VerificationFailed("; ".join(differences[:3]))
@@ -469,7 +483,8 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
             kwargs: dict[str, Any]) -> Any:
     """A patched call nested in a follower's coordinated call: made offline (and a hub
     download recorded, to be verified against the leader's)."""
-    return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **_offline(kwargs)))
+    return _recorded(mode, name, args, kwargs,
+                     lambda: _as_asked(wrapped(*args, **_offline(kwargs)), kwargs))
 
 
 def _cache_dir(kwargs: dict[str, Any]) -> str:

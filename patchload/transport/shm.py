@@ -337,7 +337,8 @@ def _replacement(region: numpy.ndarray, tensor: torch.Tensor,
                  entry: dict[str, Any]) -> torch.Tensor:
     if entry["kind"] != "blob":
         return tensor
-    return _view(region, entry["offset"], tensor.dtype, tensor.shape, entry["stride"])
+    return _view(region, entry["offset"], tensor.dtype, tensor.shape, entry["stride"],
+                 inference=tensor.is_inference())
 
 
 def _register(fd: int, blob_bytes: int) -> None:
@@ -358,7 +359,8 @@ def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
     Returns:
         One CPU tensor per shared tensor, in order, with the leader's shape, dtype and stride,
         each with a storage of its own (like a zero-copy safetensors load's); those of one blob
-        or one file view one mapping of it.
+        or one file view one mapping of it. None is an inference tensor, even inside
+        ``torch.inference_mode()``.
 
     Raises:
         LeaderGoneError: the leader process has exited, or closed the blob (:func:`release`),
@@ -582,13 +584,17 @@ def _extent_bytes(shape: Sequence[int], stride: Sequence[int], itemsize: int) ->
 
 
 def _view(region: numpy.ndarray, offset_bytes: int, dtype: torch.dtype,
-          shape: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+          shape: Sequence[int], stride: Sequence[int], *, inference: bool = False
+          ) -> torch.Tensor:
     """A non-empty tensor at ``offset_bytes`` of ``region`` with a storage of its own (a plain
-    load's layout: exactly its bytes, storage offset 0) that keeps the region alive."""
+    load's layout: exactly its bytes, storage offset 0) that keeps the region alive; an
+    inference tensor only when ``inference`` says so, whatever the caller's
+    ``torch.inference_mode``."""
     extent = _extent_bytes(shape, stride, dtype.itemsize)
-    storage = torch.frombuffer(region[offset_bytes:offset_bytes + extent],
-                               dtype=torch.uint8).untyped_storage()
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), tuple(stride))
+    with torch.inference_mode(inference):
+        storage = torch.frombuffer(region[offset_bytes:offset_bytes + extent],
+                                   dtype=torch.uint8).untyped_storage()
+        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), tuple(stride))
 
 
 # --- follower helpers ---------------------------------------------------------------------------

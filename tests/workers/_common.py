@@ -219,7 +219,8 @@ def _jsonable(obj: Any) -> Any:
 
 def module_fingerprint(model: Any) -> dict[str, Any]:
     """Every named parameter and buffer (persistent or not, tied names included): dtype, shape,
-    stride, device, requires_grad, sha256 of the bytes, its storage as user code sees it (offset
+    stride, device, requires_grad, sha256 of the bytes, whether it is an inference tensor,
+    transformers' ``_is_hf_initialized`` mark, its storage as user code sees it (offset
     in it, its size: what ``torch.save`` of the tensor writes); the tie groups; the groups of
     distinct tensors that share one storage; the training flags."""
     tensors: dict[str, Any] = {}
@@ -232,6 +233,8 @@ def module_fingerprint(model: Any) -> dict[str, Any]:
             tensors[name] = {"kind": kind, "dtype": str(t.dtype), "shape": list(t.shape),
                              "stride": list(t.stride()), "device": str(t.device),
                              "requires_grad": bool(t.requires_grad), "sha256": tensor_sha(t),
+                             "inference": t.is_inference(),
+                             "marked": getattr(t, "_is_hf_initialized", None),
                              "storage": None if storage is None else [t.storage_offset(),
                                                                       storage.nbytes()]}
             groups.setdefault(id(t), []).append(name)

@@ -25,6 +25,7 @@ A step (every key but ``name`` and ``op`` is optional):
 * ``repo``: repo id or path (``"./ckpt"`` resolves against the rank's working directory);
   ``cls``: the transformers class for ``model`` (default ``AutoModelForCausalLM``);
   ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``).
+* ``inference_mode``: for ``model``: make the call inside ``torch.inference_mode()``.
 * ``config_set_attr``: for ``model``: first ``config = AutoConfig.from_pretrained(repo)``, then
   set this attribute of it to a one-element ``set`` (its ``repr()`` raises: a set is not JSON),
   then pass ``config=config``.
@@ -60,6 +61,7 @@ if _MINE.get("cwd"):
 os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{_RANK}"
 
 import concurrent.futures  # noqa: E402
+import contextlib  # noqa: E402
 import hashlib  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
@@ -152,7 +154,8 @@ def op_model(step: dict[str, Any]) -> dict[str, Any]:
         config = transformers.AutoConfig.from_pretrained(step["repo"])
         setattr(config, step["config_set_attr"], {"x"})  # one element: str() is deterministic
         kwargs["config"] = config
-    result = cls.from_pretrained(step["repo"], **kwargs)
+    with torch.inference_mode() if step.get("inference_mode") else contextlib.nullcontext():
+        result = cls.from_pretrained(step["repo"], **kwargs)
     obs: dict[str, Any] = {}
     if kwargs.get("output_loading_info"):
         result, info = result
@@ -234,7 +237,9 @@ def op_tokenizer(step: dict[str, Any]) -> dict[str, Any]:
     tok = transformers.AutoTokenizer.from_pretrained(step["repo"], **_kwargs(step))
     return {"class": type(tok).__name__, "input_ids": tok(SENTENCES)["input_ids"],
             "len": len(tok), "special_tokens": jsonable(tok.special_tokens_map),
-            "model_max_length": tok.model_max_length, "name_or_path": norm(tok.name_or_path)}
+            "model_max_length": tok.model_max_length, "name_or_path": norm(tok.name_or_path),
+            # what save_pretrained writes into tokenizer_config.json
+            "init_kwargs": jsonable(tok.init_kwargs)}
 
 
 def op_hf_hub_download(step: dict[str, Any]) -> dict[str, Any]:
