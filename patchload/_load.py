@@ -130,6 +130,7 @@ def _share(result: Any, call: Call, mode: Mode
     info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "headers": mode.used.get("headers", {}),
             "loading_info": mode.used.get("loading_info"), "transport": transport.name,
+            "conversions": mode.used.get("conversions"),
             # Inference tensors (made inside torch.inference_mode() on the loading thread):
             # followers make theirs so too.
             "inference": [i for i, t in enumerate(unique) if t.is_inference()],
@@ -396,6 +397,7 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
                   ) -> tuple[dict[str, Any], Callable[[], None] | None]:
             node_mode.used.setdefault("headers", {}).update(mode.used.get("headers", {}))
             node_mode.used["loading_info"] = mode.used.get("loading_info")
+            node_mode.used["conversions"] = mode.used.get("conversions")
             try:
                 return _share(result, call, mode)
             finally:
@@ -409,6 +411,7 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
             node_mode.used.setdefault("headers", {}).update(weights.get("headers", {}))
             # What this node's followers initialise themselves: what the reading leader did.
             node_mode.used["loading_info"] = weights.get("loading_info")
+            node_mode.used["conversions"] = weights.get("conversions")
             result = _settle(result, mode)
             arena = mode.used.pop("arena", None)
             if arena is not None and mode.used.pop("joined", None) is not None:
@@ -430,20 +433,56 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     mode = current_mode()
     if mode is None or not mode.loads_model:
         return wrapped(*args, **kwargs)
+    mapping = getattr(args[3] if len(args) > 3 else kwargs.get("load_config"), "weight_mapping",
+                      None)  # transformers 5: the key conversions this load may apply
     if mode.lead:
         _announce_files(mode)  # if _files_resolved did not already (no _get_dtype there)
         model = args[0] if args else kwargs.get("model")
-        if model is not None and "loading_info" not in mode.used:  # not an adapter's load
+        first = "loading_info" not in mode.used  # not an adapter's load inside the same call
+        if model is not None and first:
             _transport_of(mode.call).prepare(mode.call, model, mode.used)
-        del model
         result = wrapped(*args, **kwargs)
-        # The model's own checkpoint: an adapter loaded inside the same call comes second.
-        mode.used.setdefault("loading_info", describe_loading_info(result))
+        if first:
+            mode.used["loading_info"] = describe_loading_info(result)
+            mode.used["conversions"] = _used_conversions(model, mapping)
         return result
     model = args[0] if args else kwargs.get("model")
     if not receive(mode, model):
         return wrapped(*args, **kwargs)
-    return loaded_from_leader(model, mode.payload["weights"]["loading_info"])
+    weights = mode.payload["weights"]
+    _conversions_as_leader(model, mapping, weights.get("conversions"))
+    return loaded_from_leader(model, weights["loading_info"])
+
+
+def _used_conversions(model: Any, mapping: list[Any] | None) -> list[int] | None:
+    """Leader: which of the load's key conversions it applied (by index), as transformers 5
+    keeps them on the model (``_weight_conversions``) for ``save_pretrained`` to reverse."""
+    used = getattr(model, "_weight_conversions", None)
+    if mapping is None or used is None:
+        return None
+    ids = {id(conversion) for conversion in used}
+    return [index for index, conversion in enumerate(mapping) if id(conversion) in ids]
+
+
+def _conversions_as_leader(model: Any, mapping: list[Any] | None,
+                           used: list[int] | None) -> None:
+    """Follower: keep on ``model`` the key conversions the leader's load applied (this rank's
+    own, equal, conversion objects), as its plain load would, so that ``save_pretrained``
+    writes the checkpoint's names.
+
+    Raises:
+        VerificationFailed: this rank's load has fewer conversions than the leader's used.
+    """
+    if used is None or mapping is None:
+        return
+    if any(index >= len(mapping) for index in used):
+        raise VerificationFailed(f"the leader applied key conversions {used}, this rank's load "
+                                 f"has {len(mapping)}")
+    chosen = [mapping[index] for index in used]
+    for conversion in chosen:
+        if hasattr(conversion, "_was_used"):  # what matching a checkpoint key sets
+            conversion._was_used = True
+    model._weight_conversions = chosen
 
 
 def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],

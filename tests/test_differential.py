@@ -239,7 +239,8 @@ BIN_ONLY = Scenario(
 def _architectures_setup(ctx: SetupContext) -> None:
     """Tiny random models of other architectures than the Llama the rest uses: a Mixtral
     (transformers 5 fuses its per-expert checkpoint tensors while loading: converter outputs,
-    not views of the file), a ViT image classifier and a Whisper stored in fp16."""
+    not views of the file), the same saved fused, a ViT image classifier and a Whisper stored
+    in fp16."""
     import torch
     import transformers as tf
 
@@ -261,6 +262,10 @@ def _architectures_setup(ctx: SetupContext) -> None:
         folder = ctx.assets / repo.replace("/", "--")
         model.save_pretrained(folder)
         ctx.hub.add_repo(repo, folder)
+    # The same Mixtral saved in transformers 5's own (fused) layout: its load converts nothing.
+    folder = ctx.assets / "diff--mixtral-fused"
+    moe.save_pretrained(folder, save_original_format=False)
+    ctx.hub.add_repo("diff/mixtral-fused", folder)
 
 
 ARCHITECTURES = Scenario(
@@ -268,6 +273,9 @@ ARCHITECTURES = Scenario(
         {"name": "moe", "op": "model", "repo": "diff/mixtral"},
         {"name": "moe-bf16", "op": "model", "repo": "diff/mixtral",
          "kwargs": {"dtype": "bfloat16"}},
+        {"name": "moe-fused", "op": "model", "repo": "diff/mixtral-fused"},
+        # the base model of a classifier's checkpoint: its keys lose the "vit." prefix
+        {"name": "vit-base", "op": "model", "repo": "diff/vit", "cls": "AutoModel"},
         # a classifier head of another size: initialised by each rank from its own seed
         {"name": "vit-new-head", "op": "model", "repo": "diff/vit",
          "cls": "AutoModelForImageClassification", "seed": 77, "seed_plus_rank": True,

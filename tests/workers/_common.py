@@ -250,12 +250,23 @@ def module_fingerprint(model: Any) -> dict[str, Any]:
     }
 
 
+def _saved_names(model: Any) -> list[str] | None:
+    """The names ``save_pretrained`` writes (transformers 5 reverses the key conversions the
+    load applied, which it kept on the model); None where transformers has no such step."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    return sorted(revert_weight_conversion(model, model.state_dict()))
+
+
 def fingerprint(model: Any) -> dict[str, Any]:
-    """:func:`module_fingerprint` of a transformers model, plus its dtype, configs, name and
-    ``_keep_in_fp32_modules``."""
+    """:func:`module_fingerprint` of a transformers model, plus its dtype, configs, name,
+    ``_keep_in_fp32_modules`` and the tensor names ``save_pretrained`` would write."""
     generation = getattr(model, "generation_config", None)
     return {
         **module_fingerprint(model),
+        "saved_names": _saved_names(model),
         "dtype": str(model.dtype),
         "config": _jsonable(model.config.to_dict()),
         "generation_config": _jsonable(generation.to_dict()) if generation is not None else None,
