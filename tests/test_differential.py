@@ -239,8 +239,8 @@ BIN_ONLY = Scenario(
 def _architectures_setup(ctx: SetupContext) -> None:
     """Tiny random models of other architectures than the Llama the rest uses: a Mixtral
     (transformers 5 fuses its per-expert checkpoint tensors while loading: converter outputs,
-    not views of the file), the same saved fused, a ViT image classifier and a Whisper stored
-    in fp16."""
+    not views of the file), the same saved fused, a ViT image classifier, a ResNet (batch norm
+    buffers) and a Whisper stored in fp16."""
     import torch
     import transformers as tf
 
@@ -252,12 +252,14 @@ def _architectures_setup(ctx: SetupContext) -> None:
     vit = tf.ViTForImageClassification(tf.ViTConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         image_size=32, patch_size=8, num_labels=3))
+    resnet = tf.ResNetForImageClassification(tf.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3))
     whisper = tf.WhisperForConditionalGeneration(tf.WhisperConfig(
         vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
         decoder_ffn_dim=64, max_source_positions=64, max_target_positions=64, num_mel_bins=16,
         pad_token_id=1, bos_token_id=2, eos_token_id=3, decoder_start_token_id=2))
-    for repo, model in (("diff/mixtral", moe), ("diff/vit", vit),
+    for repo, model in (("diff/mixtral", moe), ("diff/vit", vit), ("diff/resnet", resnet),
                         ("diff/whisper-fp16", whisper.to(torch.float16))):
         folder = ctx.assets / repo.replace("/", "--")
         model.save_pretrained(folder)
@@ -274,6 +276,9 @@ ARCHITECTURES = Scenario(
         {"name": "moe-bf16", "op": "model", "repo": "diff/mixtral",
          "kwargs": {"dtype": "bfloat16"}},
         {"name": "moe-fused", "op": "model", "repo": "diff/mixtral-fused"},
+        # persistent buffers (batch norm statistics), converted: re-pointed on the leader
+        {"name": "resnet-bf16", "op": "model", "repo": "diff/resnet",
+         "cls": "AutoModelForImageClassification", "kwargs": {"dtype": "bfloat16"}},
         # the base model of a classifier's checkpoint: its keys lose the "vit." prefix
         {"name": "vit-base", "op": "model", "repo": "diff/vit", "cls": "AutoModel"},
         # a classifier head of another size: initialised by each rank from its own seed
