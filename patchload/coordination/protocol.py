@@ -323,7 +323,7 @@ def _outcome_or_files(call: Call, or_files: bool) -> tuple[bool, dict[str, Any] 
     outcome = _published(call)
     if outcome is not None:
         return True, outcome
-    return (or_files and call.store.store.check([call.key + "files"])), None
+    return or_files and _announced(call), None
 
 
 def _announced(call: Call) -> bool:
