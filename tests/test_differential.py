@@ -218,6 +218,34 @@ RELATIVE_CKPT = Scenario(
     ), Requests.ONE_PER_CACHE, setup=_ckpt_setup, per_run=_ckpt_run)
 
 
+def _rank_state_setup(ctx: SetupContext) -> None:
+    """diff/rank-state, and a ``cfg`` folder in each rank's working directory: rank 1's config
+    says another RoPE base and bf16, so ``config="./cfg"`` names two configs."""
+    folder = _llama(ctx, "diff/rank-state", 23, with_tokenizer=False)
+    config = json.loads((folder / "config.json").read_text())
+    for rank in range(3):
+        mine = json.loads(json.dumps(config))
+        if rank == 1:
+            mine["dtype"] = "bfloat16"
+            for holder in (mine, mine.get("rope_parameters") or {}):
+                if "rope_theta" in holder:
+                    holder["rope_theta"] = 500000.0
+        cfg = ctx.assets / f"cwd-{rank}" / "cfg"
+        cfg.mkdir(parents=True, exist_ok=True)
+        (cfg / "config.json").write_text(json.dumps(mine))
+
+
+RANK_STATE = Scenario(
+    "rank-state", (
+        # Ranks loading in another inference mode than rank 0 get their own tensors' mode.
+        {"name": "inference-mode-on-rank-1", "op": "model", "repo": "diff/rank-state",
+         "inference_mode": [1]},
+        # A relative config path names another config on each rank.
+        {"name": "relative-config", "op": "model", "repo": "diff/rank-state",
+         "cls": "LlamaForCausalLM", "kwargs": {"config": "./cfg"}},
+    ), Requests.TOTAL, setup=_rank_state_setup, per_run=_ckpt_run)
+
+
 def _bin_setup(ctx: SetupContext) -> None:
     """A tiny llama with ``pytorch_model.bin`` and no safetensors (transformers 5 saves only
     safetensors, so the state dict is written by hand)."""
@@ -360,7 +388,7 @@ GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
     Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
-                           TRAIN, ARCHITECTURES, INIT_ERROR, BIN_ONLY),
+                           RANK_STATE, TRAIN, ARCHITECTURES, INIT_ERROR, BIN_ONLY),
           variants={"shm": {}, "collective": {"PATCHLOAD_TRANSPORT": "collective"}}),
 )
 SCENARIOS = {s.name: (g, s) for g in GROUPS for s in g.scenarios}

@@ -448,14 +448,21 @@ def test_call_keys_render_what_decides_a_result_and_never_raise(tmp_path, monkey
 
     load = AutoModelForCausalLM.from_pretrained
     for rank in (0, 1):
-        (tmp_path / f"cwd-{rank}" / "ckpt").mkdir(parents=True)
+        for folder in ("ckpt", "cfg", "hf"):
+            (tmp_path / f"cwd-{rank}" / folder).mkdir(parents=True)
     keys = []
     for rank in (0, 1):
         monkeypatch.chdir(tmp_path / f"cwd-{rank}")
-        keys.append(deciding_arguments(load, ("./ckpt",), {"cache_dir": "./hf"}))
+        keys.append(deciding_arguments(load, ("./ckpt",), {"cache_dir": "./hf",
+                                                           "config": "./cfg"}))
     assert keys[0]["__source__"] == f"path:{tmp_path / 'cwd-0' / 'ckpt'}"
     assert keys[1]["__source__"] == f"path:{tmp_path / 'cwd-1' / 'ckpt'}"
-    assert keys[0]["cache_dir"] == keys[1]["cache_dir"] == "'./hf'"  # not a source
+    # Any other argument naming a local path: "./cfg" names two configs here.
+    assert keys[0]["__path__config"] == f"path:{tmp_path / 'cwd-0' / 'cfg'}"
+    assert keys[1]["__path__config"] == f"path:{tmp_path / 'cwd-1' / 'cfg'}"
+    # A folder the call writes into is not one it reads.
+    assert keys[0]["cache_dir"] == keys[1]["cache_dir"] == "'./hf'"
+    assert "__path__cache_dir" not in keys[0]
     assert "__source__" not in deciding_arguments(load, ("org/model",), {})
 
     config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2)
@@ -474,6 +481,42 @@ def test_call_keys_render_what_decides_a_result_and_never_raise(tmp_path, monkey
     for value in (NoRepr(), RaisingAttribute(), lambda: None):
         with pytest.raises(Unrenderable):
             deciding_arguments(load, ("org/model",), {"thing": value})
+
+
+def test_call_keys_hold_the_process_state_that_decides_a_result(monkeypatch, tmp_path):
+    """Ranks that differ in hub endpoint, offline mode, credentials or (for a model load)
+    inference mode never share a call: each part of :func:`process_state` follows its own
+    setting, and the inference mode counts only for model loads."""
+    import torch
+    from huggingface_hub import constants
+
+    from patchload.coordination.key import process_state
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    base = process_state(loads_model=True)
+    assert base["__inference_mode__"] == "False"
+    with torch.inference_mode():
+        assert process_state(loads_model=True) == {**base, "__inference_mode__": "True"}
+        assert process_state(loads_model=False) == process_state(loads_model=False)
+        assert "__inference_mode__" not in process_state(loads_model=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://mirror.example")
+    assert process_state(loads_model=True) == {**base, "__endpoint__": "http://mirror.example"}
+    monkeypatch.undo()
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert process_state(loads_model=True) == {**base, "__offline__": "True"}
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    (tmp_path / "token").write_text("hf_file\n")
+    by_file = process_state(loads_model=True)
+    monkeypatch.setenv("HF_TOKEN", "hf_env")
+    by_env = process_state(loads_model=True)
+    credentials = {base["__credentials__"], by_file["__credentials__"], by_env["__credentials__"]}
+    assert len(credentials) == 3, credentials
+    assert "hf_env" not in repr(by_env) and "hf_file" not in repr(by_file)
 
 
 def test_follower_exception_keeps_what_handlers_read():

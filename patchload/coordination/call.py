@@ -31,7 +31,7 @@ from typing import Any, Callable, Final, Iterator
 from .. import _state
 from .._topology import current_topology
 from . import protocol as _coordinate
-from .key import Unrenderable, deciding_arguments
+from .key import Unrenderable, deciding_arguments, process_state
 from .scope import download_scope
 from .store import job_store
 
@@ -436,7 +436,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         # coordinate it among themselves.
         try:
             call, deciding = _call_of(name, wrapped, args, kwargs, what=what, scope=scope,
-                                      nested=mode is not None)
+                                      nested=mode is not None, loads_model=share is not None)
         except Unrenderable as err:
             logger.info("%s: not coordinated (%s): every rank makes this call itself", what, err)
             token = _MODE.set(None)  # hub calls inside are coordinated one by one
@@ -496,9 +496,10 @@ def _cache_dir(kwargs: dict[str, Any]) -> str:
 
 
 def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
-             kwargs: dict[str, Any], *, what: str, scope: str | None, nested: bool
-             ) -> tuple[_coordinate.Call, dict[str, str]]:
-    """The call to coordinate and its rendered arguments.
+             kwargs: dict[str, Any], *, what: str, scope: str | None, nested: bool,
+             loads_model: bool) -> tuple[_coordinate.Call, dict[str, str]]:
+    """The call to coordinate and its rendered arguments (with :func:`process_state`'s parts;
+    ``loads_model``: the call loads a model, so the inference mode it runs in counts).
 
     ``nested``: the call is made inside a coordinated one (a model inside a sentence-transformers
     model): its ``local_files_only`` / ``force_download`` are then the enclosing call's, which a
@@ -515,6 +516,7 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         deciding.pop("force_download", None)
     # Ranks whose caches differ never share a call: each would read another cache than its own.
     deciding["__cache__"] = _cache_dir(kwargs)
+    deciding.update(process_state(loads_model=loads_model))
     # Decided by every rank at its first top-level call, whatever this call's scope: rank 0's
     # decision is what the others wait for. A cache of the call's own (cache_dir=) is not the one
     # the decision was made for: per node.

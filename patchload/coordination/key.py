@@ -6,8 +6,9 @@ Two ranks meet at one call only when their renderings are equal, so rendering is
 - the source (the first positional argument, or ``pretrained_model_name_or_path`` and the like),
   when it names an existing local file or directory, adds its real absolute path as
   ``__source__`` (``./ckpt`` in two working directories names two checkpoints; the caller
-  fingerprints it); other strings stay as they are (a ``cache_dir`` that a leader creates
-  meanwhile, a ``revision`` that happens to name a folder);
+  fingerprints it); so does any other string argument that names one (``config="./cfg"``), as
+  ``__path__<name>``, except the folders a call writes (``cache_dir``, ``local_dir``: a leader
+  creates them meanwhile);
 - containers recursively (sets sorted), configs by their ``to_dict()``, dtypes and devices by
   name, tensors and modules by structure (names, shapes, dtypes), never by their values' bytes;
 - anything else that has no stable, bounded rendering (an object whose ``repr`` raises or names
@@ -26,7 +27,7 @@ import os
 import re
 from typing import Any, Callable, Final
 
-__all__ = ["Unrenderable", "deciding_arguments", "digest"]
+__all__ = ["Unrenderable", "deciding_arguments", "digest", "process_state"]
 
 _MAX_ITEMS: Final = 100_000
 _MAX_CHARS: Final = 1_000_000
@@ -43,6 +44,8 @@ _SECRETS: Final = frozenset({"token", "use_auth_token"})
 # What a call loads from: a repo id, or a local path (then rendered as ``path:<real path>``).
 SOURCES: Final = frozenset({"pretrained_model_name_or_path", "model_name_or_path", "model_id",
                             "peft_model_id", "arg0"})
+# Folders a call writes into: whether they exist yet says nothing about the result.
+_OUTPUTS: Final = frozenset({"cache_dir", "local_dir", "offload_folder"})
 
 
 class Unrenderable(Exception):
@@ -59,7 +62,7 @@ class _Budget:
             raise Unrenderable(f"more than {_MAX_ITEMS} items")
 
 
-def _source(value: Any) -> str | None:
+def _local_path(value: Any) -> str | None:
     """``path:<real path>`` when ``value`` names an existing local file or directory
     (transformers and diffusers then load from it, not from the hub), else None."""
     if isinstance(value, os.PathLike):
@@ -140,7 +143,8 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
 
     Returns:
         ``{name: rendering}`` without the arguments that never change the result, plus
-        ``__source__: "path:<real path>"`` when the source is a local path.
+        ``__source__: "path:<real path>"`` when the source is a local path and
+        ``__path__<name>: "path:<real path>"`` for every other argument naming one.
 
     Raises:
         Unrenderable: an argument has no stable, bounded rendering (the message says which).
@@ -159,12 +163,14 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
     candidates = [args[0]] if args else []
     candidates += [value for name, value in named.items() if name in SOURCES]
     for value in candidates:
-        if (source := _source(value)) is not None:
+        if (source := _local_path(value)) is not None:
             rendered["__source__"] = source
             break
     for name, value in named.items():
         if name in _VOLATILE:
             continue
+        if name not in SOURCES and name not in _OUTPUTS and (path := _local_path(value)):
+            rendered[f"__path__{name}"] = path  # the same string names another file elsewhere
         if name in _SECRETS:
             token = value if isinstance(value, (str, bool, type(None))) else repr(type(value))
             rendered[name] = hashlib.sha256(repr(token).encode()).hexdigest()[:16]
@@ -182,6 +188,35 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
             raise Unrenderable(f"argument {name!r}: more than {_MAX_CHARS} characters")
         rendered[name] = text
     return rendered
+
+
+def process_state(*, loads_model: bool) -> dict[str, str]:
+    """What decides a call's result besides its arguments and may differ from rank to rank, as
+    key parts: the hub endpoint (``HF_ENDPOINT``, a mirror on some ranks), offline mode
+    (``HF_HUB_OFFLINE``), the credentials huggingface_hub sends by default (``HF_TOKEN`` or the
+    token file, by hash only), and for a model load whether it runs inside
+    ``torch.inference_mode()`` (tensors made on the calling thread are inference tensors then).
+
+    Ranks that differ in one of them never share a call: each gets what its own plain call gets.
+    Never raises (an unreadable token file counts as no token).
+    """
+    from huggingface_hub import constants
+
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if token is None:
+        try:
+            with open(constants.HF_TOKEN_PATH, encoding="utf-8") as f:
+                token = f.read().strip() or None
+        except (OSError, ValueError):
+            token = None
+    state = {"__endpoint__": constants.ENDPOINT,
+             "__offline__": str(bool(constants.HF_HUB_OFFLINE)),
+             "__credentials__": hashlib.sha256(repr(token).encode()).hexdigest()[:16]}
+    if loads_model:
+        import torch
+
+        state["__inference_mode__"] = str(torch.is_inference_mode_enabled())
+    return state
 
 
 def digest(name: str, deciding: dict[str, str], *extra: str) -> str:

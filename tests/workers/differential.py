@@ -25,7 +25,8 @@ A step (every key but ``name`` and ``op`` is optional):
 * ``repo``: repo id or path (``"./ckpt"`` resolves against the rank's working directory);
   ``cls``: the transformers class for ``model`` (default ``AutoModelForCausalLM``);
   ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``).
-* ``inference_mode``: for ``model``: make the call inside ``torch.inference_mode()``.
+* ``inference_mode``: for ``model``: make the call inside ``torch.inference_mode()`` (true: on
+  every rank; a list: on those ranks).
 * ``config_set_attr``: for ``model``: first ``config = AutoConfig.from_pretrained(repo)``, then
   set this attribute of it to a one-element ``set`` (its ``repr()`` raises: a set is not JSON),
   then pass ``config=config``.
@@ -154,7 +155,10 @@ def op_model(step: dict[str, Any]) -> dict[str, Any]:
         config = transformers.AutoConfig.from_pretrained(step["repo"])
         setattr(config, step["config_set_attr"], {"x"})  # one element: str() is deterministic
         kwargs["config"] = config
-    with torch.inference_mode() if step.get("inference_mode") else contextlib.nullcontext():
+    inference = step.get("inference_mode")
+    if isinstance(inference, list):
+        inference = int(_RANK) in inference
+    with torch.inference_mode() if inference else contextlib.nullcontext():
         result = cls.from_pretrained(step["repo"], **kwargs)
     obs: dict[str, Any] = {}
     if kwargs.get("output_loading_info"):
