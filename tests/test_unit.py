@@ -485,7 +485,7 @@ def test_call_keys_render_what_decides_a_result_and_never_raise(tmp_path, monkey
 
 def test_call_keys_hold_the_process_state_that_decides_a_result(monkeypatch, tmp_path):
     """Ranks that differ in hub endpoint, offline mode, credentials or (for a model load)
-    inference mode never share a call: each part of :func:`process_state` follows its own
+    inference mode, default dtype or default device never share a call: each part of :func:`process_state` follows its own
     setting, and the inference mode counts only for model loads."""
     import torch
     from huggingface_hub import constants
@@ -501,6 +501,13 @@ def test_call_keys_hold_the_process_state_that_decides_a_result(monkeypatch, tmp
         assert process_state(loads_model=True) == {**base, "__inference_mode__": "True"}
         assert process_state(loads_model=False) == process_state(loads_model=False)
         assert "__inference_mode__" not in process_state(loads_model=False)
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert process_state(loads_model=True) == {**base, "__default_dtype__": "torch.float64"}
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.device("meta"):
+        assert process_state(loads_model=True) == {**base, "__default_device__": "meta"}
     monkeypatch.setattr(constants, "ENDPOINT", "http://mirror.example")
     assert process_state(loads_model=True) == {**base, "__endpoint__": "http://mirror.example"}
     monkeypatch.undo()

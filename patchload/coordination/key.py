@@ -195,7 +195,9 @@ def process_state(*, loads_model: bool) -> dict[str, str]:
     key parts: the hub endpoint (``HF_ENDPOINT``, a mirror on some ranks), offline mode
     (``HF_HUB_OFFLINE``), the credentials huggingface_hub sends by default (``HF_TOKEN`` or the
     token file, by hash only), and for a model load whether it runs inside
-    ``torch.inference_mode()`` (tensors made on the calling thread are inference tensors then).
+    ``torch.inference_mode()`` (tensors made on the calling thread are inference tensors then)
+    and torch's default dtype and device (transformers 4 builds a model without ``torch_dtype``
+    in the default dtype).
 
     Ranks that differ in one of them never share a call: each gets what its own plain call gets.
     Never raises (an unreadable token file counts as no token).
@@ -216,6 +218,8 @@ def process_state(*, loads_model: bool) -> dict[str, str]:
         import torch
 
         state["__inference_mode__"] = str(torch.is_inference_mode_enabled())
+        state["__default_dtype__"] = str(torch.get_default_dtype())
+        state["__default_device__"] = str(torch.get_default_device())
     return state
 
 
