@@ -454,6 +454,7 @@ def test_call_keys_render_what_decides_a_result_and_never_raise(tmp_path, monkey
     for rank in (0, 1):
         monkeypatch.chdir(tmp_path / f"cwd-{rank}")
         keys.append(deciding_arguments(load, ("./ckpt",), {"cache_dir": "./hf",
+                                                           "cache_folder": "./hf",
                                                            "config": "./cfg"}))
     assert keys[0]["__source__"] == f"path:{tmp_path / 'cwd-0' / 'ckpt'}"
     assert keys[1]["__source__"] == f"path:{tmp_path / 'cwd-1' / 'ckpt'}"
@@ -462,7 +463,7 @@ def test_call_keys_render_what_decides_a_result_and_never_raise(tmp_path, monkey
     assert keys[1]["__path__config"] == f"path:{tmp_path / 'cwd-1' / 'cfg'}"
     # A folder the call writes into is not one it reads.
     assert keys[0]["cache_dir"] == keys[1]["cache_dir"] == "'./hf'"
-    assert "__path__cache_dir" not in keys[0]
+    assert "__path__cache_dir" not in keys[0] and "__path__cache_folder" not in keys[0]
     assert "__source__" not in deciding_arguments(load, ("org/model",), {})
 
     config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2)

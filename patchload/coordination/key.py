@@ -7,8 +7,8 @@ Two ranks meet at one call only when their renderings are equal, so rendering is
   when it names an existing local file or directory, adds its real absolute path as
   ``__source__`` (``./ckpt`` in two working directories names two checkpoints; the caller
   fingerprints it); so does any other string argument that names one (``config="./cfg"``), as
-  ``__path__<name>``, except the folders a call writes (``cache_dir``, ``local_dir``: a leader
-  creates them meanwhile);
+  ``__path__<name>``, except the folders a call writes (``cache_dir``, sentence-transformers'
+  ``cache_folder``, ``local_dir``: a leader creates them meanwhile);
 - containers recursively (sets sorted), configs by their ``to_dict()``, dtypes and devices by
   name, tensors and modules by structure (names, shapes, dtypes), never by their values' bytes;
 - anything else that has no stable, bounded rendering (an object whose ``repr`` raises or names
@@ -45,7 +45,7 @@ _SECRETS: Final = frozenset({"token", "use_auth_token"})
 SOURCES: Final = frozenset({"pretrained_model_name_or_path", "model_name_or_path", "model_id",
                             "peft_model_id", "arg0"})
 # Folders a call writes into: whether they exist yet says nothing about the result.
-_OUTPUTS: Final = frozenset({"cache_dir", "local_dir", "offload_folder"})
+_OUTPUTS: Final = frozenset({"cache_dir", "cache_folder", "local_dir", "offload_folder"})
 
 
 class Unrenderable(Exception):
