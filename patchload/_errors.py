@@ -201,8 +201,9 @@ def _follower_class(original: type[BaseException]) -> type[BaseException]:
     if cls is not None:
         return cls
     namespace = {"__str__": lambda self: self._patchload_message,
-                 "__reduce__": lambda self: (_rebuild_follower, (original, self._patchload_message,
-                                                                 self.rank, self.leader_rank)),
+                 "__reduce__": lambda self: (_rebuild_follower, (
+                     original, self._patchload_message, self.rank, self.leader_rank,
+                     getattr(self, "__notes__", None))),
                  "__module__": original.__module__}
     try:
         cls = type(original.__name__, (original, LeaderFailedError), namespace)
@@ -214,40 +215,43 @@ def _follower_class(original: type[BaseException]) -> type[BaseException]:
 
 
 def _rebuild_follower(original: type[BaseException], message: str, rank: int | None,
-                      leader_rank: int | None) -> BaseException:
-    return follower_exception({"module": original.__module__, "qualname": original.__qualname__,
-                               "message": message}, rank=rank, leader_rank=leader_rank,
-                              prefix="")
+                      leader_rank: int | None, notes: list[str] | None = None) -> BaseException:
+    exc = follower_exception({"module": original.__module__, "qualname": original.__qualname__,
+                              "message": message}, rank=rank, leader_rank=leader_rank, note="")
+    if notes:
+        exc.__notes__ = list(notes)
+    return exc
 
 
 def follower_exception(description: dict[str, str], *, rank: int | None, leader_rank: int | None,
-                       prefix: str) -> BaseException:
+                       note: str) -> BaseException:
     """Rebuild a leader's exception on a follower.
 
     Args:
-        description: what :func:`describe_exception` returned on the leader; its root cause,
-            if any, is appended to the message.
+        description: what :func:`describe_exception` returned on the leader.
         rank: this follower's global rank.
         leader_rank: the leader's global rank.
-        prefix: text put before the leader's message (names the ranks and the action).
+        note: names the ranks and the action; added with ``add_note`` (a traceback prints it
+            under the message), with the leader's root cause, if any, after it.
 
     Returns:
         An exception whose class derives from the leader's class (and from
         :class:`LeaderFailedError` where the layouts allow), so ``except`` clauses written for the
-        plain call catch it; :class:`LeaderFailedError` when the class is not importable here.
-        The original ``__init__`` is not called: ``args``, ``rank``, ``leader_rank`` and
-        ``cause`` are set, plus what handlers read on the plain call's exception: an
-        ``OSError``'s ``errno`` / ``strerror`` / ``filename``, an HTTP error's ``response``
-        (status code, headers, URL), ``request_id`` and ``server_message``.
+        plain call catch it, and whose ``str()`` is the leader's message, as the plain call's
+        would be; :class:`LeaderFailedError` (note and message in its text) when the class is
+        not importable here. The original ``__init__`` is not called: ``args``, ``rank``,
+        ``leader_rank`` and ``cause`` are set, plus what handlers read on the plain call's
+        exception: an ``OSError``'s ``errno`` / ``strerror`` / ``filename``, an HTTP error's
+        ``response`` (status code, headers, URL), ``request_id`` and ``server_message``.
     """
-    message = prefix + description.get("message", "")
+    message = description.get("message", "")
     if description.get("cause"):
-        message += f" (caused on the leader by {description['cause']})"
+        note += f" (caused on the leader by {description['cause']})"
     original = _resolve_class(description.get("module", ""), description.get("qualname", ""))
     if original is None:
         name = f"{description.get('module')}.{description.get('qualname')}"
-        return LeaderFailedError(f"{message} (leader raised {name})", rank=rank,
-                                 leader_rank=leader_rank, cause=description.get("message", ""))
+        return LeaderFailedError(f"{note}: {message} (leader raised {name})", rank=rank,
+                                 leader_rank=leader_rank, cause=message)
     cls = _follower_class(original)
     exc = _blank(cls)
     BaseException.__init__(exc, message)
@@ -255,7 +259,9 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
     exc._patchload_original = original
     exc.rank = rank
     exc.leader_rank = leader_rank
-    exc.cause = description.get("message", "")
+    exc.cause = message
+    if note:
+        exc.__notes__ = [note]  # what add_note() sets (Python 3.11+ prints it in tracebacks)
     attributes = description.get("attributes") or {}
     if isinstance(exc, OSError):
         for name in ("errno", "strerror", "filename"):

@@ -41,7 +41,7 @@ def main_process_first(scope: str = "node") -> Iterator[bool]:
         PatchloadError: ``scope="job"`` across nodes with no job-wide store (a node-local one:
             not under torchrun, before ``init_process_group``).
         LeaderFailedError / the leader's exception class: on followers, when the leader's block
-            raised (message names the leader rank), or its process died.
+            raised (its message; a note names the leader rank), or its process died.
         PatchloadTimeout: on followers, after ``PATCHLOAD_TIMEOUT`` seconds without an outcome.
     """
     if scope not in _SCOPES:

@@ -246,6 +246,15 @@ RANK_STATE = Scenario(
     ), Requests.TOTAL, setup=_rank_state_setup, per_run=_ckpt_run)
 
 
+# Every rank fails as plain does: followers raise the leader's error with the plain message. A
+# rank that arrives after the leader's attempt failed makes its own (TOTAL).
+MISSING_REPO = Scenario(
+    "missing-repo", (
+        {"name": "model", "op": "model", "repo": "diff/missing"},
+        {"name": "config", "op": "config", "repo": "diff/missing"},
+    ), Requests.TOTAL)
+
+
 def _bin_setup(ctx: SetupContext) -> None:
     """A tiny llama with ``pytorch_model.bin`` and no safetensors (transformers 5 saves only
     safetensors, so the state dict is written by hand)."""
@@ -388,7 +397,8 @@ GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
     Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
-                           RANK_STATE, TRAIN, ARCHITECTURES, INIT_ERROR, BIN_ONLY),
+                           RANK_STATE, MISSING_REPO, TRAIN, ARCHITECTURES, INIT_ERROR,
+                           BIN_ONLY),
           variants={"shm": {}, "collective": {"PATCHLOAD_TRANSPORT": "collective"}}),
 )
 SCENARIOS = {s.name: (g, s) for g in GROUPS for s in g.scenarios}

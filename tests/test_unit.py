@@ -171,18 +171,20 @@ def test_follower_exception_keeps_class_and_pickles():
     except EntryNotFoundError as err:
         description = describe_exception(err)
     json.dumps(description)  # crosses ranks as JSON, never pickle
-    exc = follower_exception(description, rank=2, leader_rank=0, prefix="[rank 2/3] x: ")
+    exc = follower_exception(description, rank=2, leader_rank=0, note="[rank 2/3] x failed")
     assert isinstance(exc, EntryNotFoundError) and isinstance(exc, LeaderFailedError)
-    assert str(exc) == "[rank 2/3] x: 404 Client Error: entry not found"
+    assert str(exc) == "404 Client Error: entry not found"  # the plain call's message
+    assert exc.__notes__ == ["[rank 2/3] x failed"]  # printed under it in a traceback
     assert (exc.rank, exc.leader_rank) == (2, 0)
     again = pickle.loads(pickle.dumps(exc))
     assert type(again) is type(exc) and str(again) == str(exc)
+    assert again.__notes__ == exc.__notes__
     assert describe_exception(exc)["qualname"] == "EntryNotFoundError"
 
 
 def test_follower_exception_of_unknown_class_is_leader_failed():
     exc = follower_exception({"module": "not.imported", "qualname": "Boom", "message": "m"},
-                             rank=1, leader_rank=0, prefix="p: ")
+                             rank=1, leader_rank=0, note="p")
     assert type(exc) is LeaderFailedError and "p: m" in str(exc) and "not.imported.Boom" in str(exc)
 
 
@@ -332,8 +334,8 @@ def test_errors_pickle_with_their_attributes():
 
 def test_follower_exception_of_an_oserror_class():
     exc = follower_exception({"module": "builtins", "qualname": "FileNotFoundError",
-                              "message": "no such file"}, rank=1, leader_rank=0, prefix="p: ")
-    assert isinstance(exc, FileNotFoundError) and str(exc) == "p: no such file"
+                              "message": "no such file"}, rank=1, leader_rank=0, note="p")
+    assert isinstance(exc, FileNotFoundError) and str(exc) == "no such file"
     assert isinstance(pickle.loads(pickle.dumps(exc)), FileNotFoundError)
 
 
@@ -345,7 +347,7 @@ out = {}
 for module, qualname in (("safetensors", "SafetensorError"), ("xml.dom.minidom", "Node"),
                          ("antigravity", "Exception")):
     exc = follower_exception({"module": module, "qualname": qualname, "message": "m"},
-                             rank=1, leader_rank=0, prefix="")
+                             rank=1, leader_rank=0, note="")
     out[module] = [type(exc).__mro__[1].__name__, module in sys.modules]
 print(json.dumps(out))
 """
@@ -541,7 +543,7 @@ def test_follower_exception_keeps_what_handlers_read():
         headers={"retry-after": "3", "x-request-id": "req-7"})
     leader = HfHubHTTPError("429 Too Many Requests", response=response, server_message="slow")
     exc = follower_exception(json.loads(json.dumps(describe_exception(leader))), rank=1,
-                             leader_rank=0, prefix="[rank 1/2] x: ")
+                             leader_rank=0, note="[rank 1/2] x failed")
     assert isinstance(exc, HfHubHTTPError) and isinstance(exc, LeaderFailedError)
     assert exc.response.status_code == 429
     assert exc.response.headers["retry-after"] == "3"
@@ -550,7 +552,7 @@ def test_follower_exception_keeps_what_handlers_read():
 
     disk = OSError(errnos.ENOSPC, "No space left on device", "/cache/blob.incomplete")
     exc = follower_exception(json.loads(json.dumps(describe_exception(disk))), rank=1,
-                             leader_rank=0, prefix="")
+                             leader_rank=0, note="")
     assert (exc.errno, exc.strerror, exc.filename) == (
         errnos.ENOSPC, "No space left on device", "/cache/blob.incomplete")
 

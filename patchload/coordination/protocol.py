@@ -348,7 +348,8 @@ def raise_failure(call: Call, role: Role, outcome: dict[str, Any]) -> None:
     """Raise the leader's published error on a follower (see :func:`follower_exception`)."""
     error = outcome["error"]
     raise follower_exception(error, rank=call.topology.rank, leader_rank=role.leader_rank,
-                             prefix=f"{call.prefix(role.leader_rank)} failed on the leader: ")
+                             note=f"{call.prefix(role.leader_rank)} failed on the leader; "
+                                  "this is its error, raised again on this rank")
 
 
 @contextlib.contextmanager
@@ -444,7 +445,7 @@ def leader_first(call: Call,
 
     Raises:
         Whatever ``lead`` raised, on the leader; on followers, the same class rebuilt from the
-        leader's outcome (message naming the leader rank and quoting its message), or
+        leader's outcome (the leader's message; a note names the ranks), or
         :class:`LeaderFailedError` / :class:`PatchloadTimeout` from :func:`wait_outcome`.
     """
     call, role = claim(call)

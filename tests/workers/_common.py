@@ -171,6 +171,7 @@ def error_info(exc: BaseException, start: float) -> dict[str, Any]:
         "module": type(exc).__module__,
         "mro": [c.__name__ for c in type(exc).__mro__],
         "message": str(exc)[-4000:],
+        "notes": [str(note) for note in getattr(exc, "__notes__", None) or []],
         "follower": isinstance(exc, patchload.LeaderFailedError),
         "leader_rank": getattr(exc, "leader_rank", None),
         "rank_attr": getattr(exc, "rank", None),

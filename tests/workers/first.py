@@ -24,6 +24,7 @@ def body(report: dict) -> None:
         report["failing"] = {"raised": None}
     except ValueError as err:
         report["failing"] = {"raised": type(err).__name__, "message": str(err),
+                             "notes": [str(n) for n in getattr(err, "__notes__", None) or []],
                              "leader_failed": isinstance(err, patchload.LeaderFailedError),
                              "seconds": time.monotonic() - start}
 
