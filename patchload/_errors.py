@@ -231,8 +231,9 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
         description: what :func:`describe_exception` returned on the leader.
         rank: this follower's global rank.
         leader_rank: the leader's global rank.
-        note: names the ranks and the action; added with ``add_note`` (a traceback prints it
-            under the message), with the leader's root cause, if any, after it.
+        note: names the ranks and the action; set as the exception's ``__notes__`` (what
+            ``add_note`` sets: a traceback prints it under the message), with the leader's
+            root cause, if any, after it.
 
     Returns:
         An exception whose class derives from the leader's class (and from

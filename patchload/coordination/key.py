@@ -173,7 +173,7 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
             rendered[f"__path__{name}"] = path  # the same string names another file elsewhere
         if name in _SECRETS:
             token = value if isinstance(value, (str, bool, type(None))) else repr(type(value))
-            rendered[name] = hashlib.sha256(repr(token).encode()).hexdigest()[:16]
+            rendered[name] = _secret_digest(token)
             continue
         budget = _Budget()
         try:
@@ -188,6 +188,11 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
             raise Unrenderable(f"argument {name!r}: more than {_MAX_CHARS} characters")
         rendered[name] = text
     return rendered
+
+
+def _secret_digest(token: Any) -> str:
+    """A credential's identity in a key: a digest, never the token itself."""
+    return hashlib.sha256(repr(token).encode()).hexdigest()[:16]
 
 
 def process_state(*, loads_model: bool) -> dict[str, str]:
@@ -213,7 +218,7 @@ def process_state(*, loads_model: bool) -> dict[str, str]:
             token = None
     state = {"__endpoint__": constants.ENDPOINT,
              "__offline__": str(bool(constants.HF_HUB_OFFLINE)),
-             "__credentials__": hashlib.sha256(repr(token).encode()).hexdigest()[:16]}
+             "__credentials__": _secret_digest(token)}
     if loads_model:
         import torch
 
