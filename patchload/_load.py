@@ -27,13 +27,14 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
+from ._alongside import describe, mapped_state_dict, maps_as_plain
 from ._compat import (describe_loading_info, initialized_by_follower, loaded_from_leader,
                       warm_conversions)
 from ._patching import Patch
 from ._tensors import Owners, entries_of, named_tensors
 from ._writes import write_patches
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
-from .coordination.protocol import Call, files_ready, node_leaders_call
+from .coordination.protocol import Call, announced_layout, files_ready, node_leaders_call
 from .coordination.scope import download_scope
 from .transport.job_collective import CollectiveWeights
 from .transport.node_shm import ShmWeights
@@ -117,6 +118,11 @@ def _share(result: Any, call: Call, mode: Mode
     if model is None:
         return {}, None
     transport = _transport_of(call)
+    if mode.used.get("alongside"):
+        transport.discard(model, mode.used)
+        logger.info("%s: not sharing weights: a zero-copy load, followers map the checkpoint "
+                    "files themselves", call.prefix())
+        return {"weights": None, "reason": "followers map the checkpoint files"}, None
     entries, unique = entries_of(model)
     reason = _post_load_reason(model, entries, unique)
     if reason is None and initialized_by_follower(mode.used.get("loading_info") or {}) is None:
@@ -320,7 +326,9 @@ def checkpoint_header(mode: Mode, checkpoint_file: Any,
         mode.used.setdefault("headers", {})[name] = {
             key: [str(t.dtype).removeprefix("torch."), list(t.shape)] for key, t in state.items()}
         return state, False
-    header = (mode.payload.get("weights") or {}).get("headers", {}).get(name)
+    header = _described_header(mode, checkpoint_file)
+    if header is None:
+        header = (mode.payload.get("weights") or {}).get("headers", {}).get(name)
     if header is None:
         return read(), False
     import torch
@@ -329,6 +337,25 @@ def checkpoint_header(mode: Mode, checkpoint_file: Any,
 
     return {key: torch.empty(shape, dtype=dtype_from_str(dtype), device="meta")
             for key, (dtype, shape) in header.items()}, True
+
+
+def _described_header(mode: Mode, checkpoint_file: Any) -> dict[str, Any] | None:
+    """Follower: a checkpoint file's ``{key: [dtype, shape]}`` from the layout its leader
+    announced with its files (:mod:`patchload._alongside`), or None: known before the leader's
+    outcome."""
+    layout = _layout(mode)
+    real = os.path.realpath(str(checkpoint_file))
+    for file in (layout or {}).get("files", ()):
+        if file["path"] == real:
+            return {key: [dtype, shape] for key, dtype, shape, _, _ in file["tensors"]}
+    return None
+
+
+def _layout(mode: Mode) -> dict[str, Any] | None:
+    """Follower: the checkpoint layout its node leader announced (read once per call)."""
+    if "layout" not in mode.used:
+        mode.used["layout"] = announced_layout(mode.call) if mode.call.scope == "node" else None
+    return mode.used["layout"]
 
 
 def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
@@ -435,10 +462,17 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
         return wrapped(*args, **kwargs)
     mapping = getattr(args[3] if len(args) > 3 else kwargs.get("load_config"), "weight_mapping",
                       None)  # transformers 5: the key conversions this load may apply
+    state_dict, files, load_config = (_argument(args, kwargs, i, name) for i, name in
+                                      ((1, "state_dict"), (2, "checkpoint_files"),
+                                       (3, "load_config")))
     if mode.lead:
-        _announce_files(mode)  # if _files_resolved did not already (no _get_dtype there)
+        # if _files_resolved did not already (no _get_dtype there)
+        _announce_files(mode, files)
         model = args[0] if args else kwargs.get("model")
         first = "loading_info" not in mode.used  # not an adapter's load inside the same call
+        if first:  # followers decide the same from the same arguments and layout
+            mode.used["alongside"] = maps_as_plain(state_dict, files, load_config,
+                                                   mode.used.get("layout"))
         if model is not None and first:
             _transport_of(mode.call).prepare(mode.call, model, mode.used)
         result = wrapped(*args, **kwargs)
@@ -446,12 +480,40 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
             mode.used["loading_info"] = describe_loading_info(result)
             mode.used["conversions"] = _used_conversions(model, mapping)
         return result
+    if "alongside" not in mode.used:  # the call's first load, not an adapter's after it
+        mode.used["alongside"] = False
+        if maps_as_plain(state_dict, files, load_config, _layout(mode)):
+            state = mapped_state_dict(_layout(mode), files)
+            if state is not None:
+                mode.used["alongside"] = True
+                return _load_alongside(wrapped, mode, args, kwargs, state)
     model = args[0] if args else kwargs.get("model")
     if not receive(mode, model):
         return wrapped(*args, **kwargs)
     weights = mode.payload["weights"]
     _conversions_as_leader(model, mapping, weights.get("conversions"))
     return loaded_from_leader(model, weights["loading_info"])
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _load_alongside(wrapped: Callable[..., Any], mode: Mode, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], state: dict[str, Any]) -> Any:
+    """Follower of a zero-copy load: transformers' own step, reading ``state`` (the checkpoint
+    files mapped, :func:`patchload._alongside.mapped_state_dict`) where it would open them,
+    while the leader loads. The hub calls the rest of the call makes (a generation config) wait
+    for the leader's outcome first (:func:`patchload.coordination.call._nested`): the leader
+    fetches those files after its weights."""
+    if len(args) > 1:
+        args = (args[0], state, *args[2:])
+    else:
+        kwargs = {**kwargs, "state_dict": state}
+    result = wrapped(*args, **kwargs)
+    mode.used["received_bytes"] = sum(tensor.nbytes for tensor in state.values())
+    mode.used["received_how"] = "mapped from the checkpoint files"
+    return result
 
 
 def _used_conversions(model: Any, mapping: list[Any] | None) -> list[int] | None:
@@ -493,14 +555,17 @@ def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     resolve later, the generation config, they resolve after the leader's outcome)."""
     mode = current_mode()
     if mode is not None and mode.lead and mode.loads_model:
-        _announce_files(mode)
+        _announce_files(mode, _argument(args, kwargs, 1, "checkpoint_files"))
     return wrapped(*args, **kwargs)
 
 
-def _announce_files(mode: Mode) -> None:
-    """Leader: :func:`files_ready`, once per call."""
+def _announce_files(mode: Mode, checkpoint_files: list[str] | None) -> None:
+    """Leader: :func:`files_ready`, once per call, with the layout of its checkpoint files
+    where its followers share its node (:mod:`patchload._alongside`)."""
     if "files_ready" not in mode.used:
-        files_ready(mode.call)
+        layout = describe(checkpoint_files) if mode.call.scope == "node" else None
+        mode.used["layout"] = layout
+        files_ready(mode.call, layout)
         mode.used["files_ready"] = True
 
 

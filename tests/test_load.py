@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 import _nodes
-from _launch import (Job, check_same_error_everywhere, diff_fingerprints, follower_checkpoint,
-                     job_env, request_signature, run_plain, run_torchrun, step_records)
+from _launch import (TRANSFORMERS_4, Job, check_same_error_everywhere, diff_fingerprints,
+                     follower_checkpoint, job_env, request_signature, run_plain, run_torchrun,
+                     step_records)
 from conftest import LOAD_CASES, REFERENCE_ONLY_CASES
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -133,6 +134,36 @@ def test_followers_read_no_checkpoint_and_make_no_requests(transport_job: Job,
     window = transport_job.window(case)
     assert {r.rank for r in window} <= set(readers), (case, window)
     assert window, case
+
+
+# Cases whose load leaves every tensor a view of its safetensors file on transformers 5 (the
+# checkpoint's dtype is the loaded one, key renames only): followers inside a node map the
+# checkpoint files themselves, alongside the leader; every other follower takes the leader's
+# tensors. (``mismatch``: ranks 0 and 1 load fp32 from an fp32 checkpoint; rank 2 leads alone.)
+ALONGSIDE_CASES = ("llama", "llama_tied", "llama_sharded", "bf16_default", "bf16_bf16",
+                   "bf16_auto", "gpt2", "bert", "custom", "mismatch")
+_ALONGSIDE = "bytes of weights mapped from the checkpoint files"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", LOAD_CASES)
+def test_zero_copy_followers_load_alongside_their_leader(transport_job: Job, case: str) -> None:
+    """A zero-copy load's followers (shm, transformers 5) map the checkpoint files the leader
+    described and run transformers' own checkpoint step, while the leader loads: its leader
+    shares nothing. Converting loads, transformers 4 and the collective transport take the
+    leader's tensors. (Equality with plain and "no checkpoint read" are the tests above.)"""
+    records = step_records(transport_job, case)
+    alongside = (transport_job.extra["transport"] == "shm" and not TRANSFORMERS_4
+                 and case in ALONGSIDE_CASES)
+    for rank, record in records.items():
+        lines = "\n".join(record["patchload"])
+        if "followed rank" not in lines:
+            continue
+        assert ("bytes of weights mapped" in lines or "bytes of weights received" in lines), \
+            (rank, lines)
+        assert (_ALONGSIDE in lines) == alongside, (case, rank, lines)
+    followers = [r for r, rec in records.items() if "followed rank" in "".join(rec["patchload"])]
+    assert len(followers) == (1 if case == "mismatch" else N - 1), (case, followers)
 
 
 # --- 11. training step, ties, copy-on-write ---------------------------------------------------------
@@ -319,6 +350,15 @@ def test_two_nodes_read_the_checkpoint_once_per_cache(two_nodes_job: Job,
                                r"with this node's ranks \((\d+) bytes copied", output)
               for rank in (0, 2)}
     reading = (0,) if two_nodes_job.extra["cache"] == "shared-cache" else (0, 2)
+    # With own caches each node leader reads its disk: a zero-copy load's followers map the
+    # checkpoint files alongside it (it shares nothing); the node leader that receives a
+    # broadcast shares every load in its node.
+    shared_cases = NODE_CASES if two_nodes_job.extra["cache"] == "shared-cache" else \
+        tuple(c for c in NODE_CASES if c not in ALONGSIDE_CASES)
+    for case in NODE_CASES:
+        for rank in (1, 3):
+            lines = "\n".join(step_records(two_nodes_job, case)[rank]["patchload"])
+            assert (_ALONGSIDE in lines) == (case not in shared_cases), (case, rank, lines)
     if two_nodes_job.extra["cache"] == "shared-cache":
         # Node 1's leader received the broadcast straight into the blob it shares: the node
         # holds one copy of the model, never a private one beside the blob.
@@ -328,7 +368,7 @@ def test_two_nodes_read_the_checkpoint_once_per_cache(two_nodes_job: Job,
     # to the other node) converts (llama_as_bf16, big_as_f32) straight into its node's blob:
     # only what the load did not make there (non-persistent buffers) is copied.
     for rank in reading:
-        assert len(shares[rank]) == len(NODE_CASES), output[-3000:]
+        assert len(shares[rank]) == len(shared_cases), output[-3000:]
         assert all(10 * int(copied) < int(total) for total, copied in shares[rank]), shares
     # The node leaders' peak memory in the big converting load (bf16 on disk, 127 MB as fp32):
     # one copy of the model, never a private one beside the blob. Node 1's leader with the
@@ -364,9 +404,10 @@ def _loaded_bytes(fingerprint: dict[str, Any]) -> int:
 def test_two_jobs_on_one_node_see_only_their_own_blobs(hub: Any, reference: dict[str, Any],
                                                        tmp_path: Path) -> None:
     """Two torchrun jobs at once on one HF_HOME, converting loads (memfd blobs) and zero-copy
-    ones (file regions): each follower attaches only to tensors shared by a rank of its own job
-    (the debug line names the sharing pid), and every rank equals a plain load."""
-    cases = ("bf16_default", "llama_tied")
+    ones (the checkpoint files mapped alongside): each follower attaches only to tensors shared
+    by a rank of its own job (the debug line names the sharing pid), and every rank equals a
+    plain load."""
+    cases = ("llama_as_bf16", "llama_tied")
     jobs: dict[str, Job] = {}
 
     def run(name: str) -> None:

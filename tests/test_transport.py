@@ -791,3 +791,107 @@ _JOBS: dict[str, Callable[[int, dict[str, Any]], dict[str, Any]]] = {
     "shm": _job_shm,
     "shm_leader_killed": _job_shm_leader_killed,
 }
+
+
+# --- zero-copy loads alongside the leader (patchload._alongside) ---------------------------------
+
+
+def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file whose header lists its keys out of order, with several dtypes, a 0-d
+    and an empty tensor."""
+    from safetensors.torch import save_file
+
+    tensors = {"zeta.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+               "alpha.bias": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+               "mid.count": torch.tensor(7, dtype=torch.int64),
+               "mid.mask": torch.tensor([True, False, True]),
+               "none.weight": torch.empty(0, 5, dtype=torch.float32)}
+    save_file(tensors, str(path))
+    return tensors
+
+
+def test_followers_map_the_described_checkpoint_as_safetensors_reads_it(tmp_path):
+    """What a follower hands transformers in place of safetensors' handles: the same keys in the
+    same order, and per key a tensor equal to ``get_slice(key)[...]`` in bytes, dtype, shape,
+    storage size and offset, and inference mode, made in the thread that asks for it."""
+    from safetensors import safe_open
+
+    from patchload._alongside import describe, mapped_state_dict
+
+    path = tmp_path / "model.safetensors"
+    _checkpoint(path)
+    layout = describe([str(path)])
+    assert layout is not None
+    json.dumps(layout)  # announced through the store
+    state = mapped_state_dict(json.loads(json.dumps(layout)), [str(path)])
+    with safe_open(str(path), framework="pt") as f:
+        assert list(state) == list(f.keys())
+        for key in f.keys():
+            plain, mine = f.get_slice(key), state[key]
+            assert mine.get_shape() == plain.get_shape() and mine.get_dtype() == plain.get_dtype()
+            want, got = plain[...], mine[...]
+            assert (got.dtype, got.shape, got.stride(), got.storage_offset()) == \
+                (want.dtype, want.shape, want.stride(), want.storage_offset()), key
+            assert got.untyped_storage().nbytes() == want.untyped_storage().nbytes(), key
+            assert got.view(-1).view(torch.uint8).tolist() == \
+                want.view(-1).view(torch.uint8).tolist(), key
+            with torch.inference_mode():
+                assert mine[...].is_inference() == plain[...].is_inference() is True
+            assert torch.equal(mine[1:], plain[1:]) if got.dim() else True
+    state["zeta.weight"][...].add_(1)  # copy-on-write: the file keeps its bytes
+    with safe_open(str(path), framework="pt") as f:
+        assert torch.equal(f.get_tensor("zeta.weight"), torch.arange(12.).reshape(3, 4))
+
+
+def test_followers_map_only_the_very_files_the_leader_described(tmp_path):
+    from patchload._alongside import describe, mapped_state_dict
+
+    path, other = tmp_path / "model.safetensors", tmp_path / "other.safetensors"
+    _checkpoint(path)
+    _checkpoint(other)
+    layout = describe([str(path)])
+    assert mapped_state_dict(layout, [str(other)]) is None  # not described
+    os.utime(path, ns=(1, 1))  # changed since the leader described it
+    assert mapped_state_dict(layout, [str(path)]) is None
+    # Files the leader cannot describe exactly are not described at all: they load as before.
+    raw = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(raw[:-8])
+    assert describe([str(tmp_path / "cut.safetensors")]) is None
+    assert describe([str(path), str(tmp_path / "model.bin")]) is None
+    assert describe([str(tmp_path / "absent.safetensors")]) is None
+
+
+def test_a_load_runs_alongside_only_where_every_tensor_stays_a_view_of_its_file(tmp_path):
+    """The decision both leader and follower make from a transformers 5 load's arguments."""
+    transformers = pytest.importorskip("transformers")
+    if transformers.__version__.startswith("4."):
+        pytest.skip("transformers 4.x: followers take the leader's tensors (no state-dict step)")
+    from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
+
+    from patchload._alongside import describe, maps_as_plain
+
+    path = tmp_path / "model.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a.weight": torch.ones(2, 2), "b.bias": torch.zeros(2),
+               "c.count": torch.tensor(3)}, str(path))
+    layout, files = describe([str(path)]), [str(path)]
+
+    class LoadConfig:  # the fields of transformers' LoadStateDictConfig the decision reads
+        def __init__(self, **fields: Any) -> None:
+            self.dtype, self.dtype_plan, self.device_map = torch.float32, {}, None
+            self.hf_quantizer, self.disable_mmap = None, False
+            self.weight_mapping = [WeightRenaming("gamma", "weight")]
+            self.__dict__.update(fields)
+
+    assert maps_as_plain(None, files, LoadConfig(), layout)
+    assert maps_as_plain(None, files, LoadConfig(device_map={"": "cpu"}), layout)
+    for reason in ({"dtype": torch.bfloat16}, {"dtype_plan": {"wo": torch.float16}},
+                   {"device_map": {"": "meta"}}, {"hf_quantizer": object()},
+                   {"disable_mmap": True},
+                   {"weight_mapping": [WeightConverter(["a.*"], "b", operations=[Concatenate(dim=0)])]}):
+        assert not maps_as_plain(None, files, LoadConfig(**reason), layout), reason
+    assert not maps_as_plain({"a.weight": torch.ones(2, 2)}, files, LoadConfig(), layout)
+    assert not maps_as_plain(None, files, LoadConfig(), None)
+    delattr(config := LoadConfig(), "weight_mapping")  # transformers 4's
+    assert not maps_as_plain(None, files, config, layout)

@@ -569,7 +569,7 @@ def _model_on_one_mapping():
     region = torch.arange(44, dtype=torch.float32).view(torch.uint8).numpy()
 
     def view(offset, shape, stride):
-        return shm._view(region, offset * 4, torch.float32, shape, stride)
+        return shm.tensor_view(region, offset * 4, torch.float32, shape, stride)
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     model[1].weight = model[0].weight  # tied: one Parameter under two names

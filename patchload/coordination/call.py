@@ -310,9 +310,11 @@ class _Coordinated:
         rng = _rng_state()
         kwargs = _offline(self.kwargs) if self.offline_kwarg else self.kwargs
         try:
+            result = _as_asked(self._run(mode, self.wrapped, kwargs), self.kwargs)
+            # After the rerun, not before: a model load's follower runs alongside its leader,
+            # before the outcome that holds the leader's fingerprints.
             if self.local:
                 self._check_local(mode)
-            result = _as_asked(self._run(mode, self.wrapped, kwargs), self.kwargs)
             differences = _differences(mode.pins, mode.payload.get("pins", {}))
             if differences:
                 raise VerificationFailed("; ".join(differences[:3]))
@@ -482,7 +484,11 @@ def _recorded(mode: Mode | None, name: str, args: tuple[Any, ...], kwargs: dict[
 def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:
     """A patched call nested in a follower's coordinated call: made offline (and a hub
-    download recorded, to be verified against the leader's)."""
+    download recorded, to be verified against the leader's). In a call whose weights this rank
+    loads alongside its leader (``used["alongside"]``), after the leader's outcome: the files
+    the leader resolves after loading (a generation config) are in the cache only then."""
+    if mode.used.get("alongside"):
+        mode.payload  # noqa: B018 - waits for the outcome; raises the leader's failure
     return _recorded(mode, name, args, kwargs,
                      lambda: _as_asked(wrapped(*args, **_offline(kwargs)), kwargs))
 

@@ -47,7 +47,7 @@ from patchload.transport import (
     meta_of,
 )
 
-__all__ = ["share", "attach", "release"]
+__all__ = ["share", "attach", "release", "map_file", "tensor_view", "contiguous_stride"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def _describe(tensors: Sequence[torch.Tensor], arena: BlobArena | None
                                      stride=list(t.stride()))
                         continue
         entry.update(kind="blob", offset=None,
-                     stride=list(t.stride()) if dense else _contiguous_stride(t.shape))
+                     stride=list(t.stride()) if dense else contiguous_stride(t.shape))
     return entries, files, staged
 
 
@@ -337,7 +337,7 @@ def _replacement(region: numpy.ndarray, tensor: torch.Tensor,
                  entry: dict[str, Any]) -> torch.Tensor:
     if entry["kind"] != "blob":
         return tensor
-    return _view(region, entry["offset"], tensor.dtype, tensor.shape, entry["stride"],
+    return tensor_view(region, entry["offset"], tensor.dtype, tensor.shape, entry["stride"],
                  inference=tensor.is_inference())
 
 
@@ -405,7 +405,7 @@ def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
             file_no = int(entry["file"])
             region = file_regions.get(file_no)
             if region is None:
-                region = file_regions[file_no] = _map_file(pid, files[file_no])
+                region = file_regions[file_no] = map_file(pid, files[file_no])
         else:
             raise ValueError(f"shm descriptor entry {index} has unknown kind {kind!r}")
         offset = int(entry["offset"])
@@ -413,7 +413,7 @@ def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
         if offset % dtype.itemsize or offset < 0 or offset + extent > len(region):
             raise ValueError(f"shm descriptor entry {index}: region [{offset}, "
                              f"{offset + extent}) does not fit its {len(region)} bytes")
-        out.append(_view(region, offset, dtype, meta.shape, entry["stride"]))
+        out.append(tensor_view(region, offset, dtype, meta.shape, entry["stride"]))
     logger.debug("attached %d tensors shared by pid %d (blob %d bytes, %d files)", len(out), pid,
                  int(descriptor.get("nbytes") or 0), len(files))
     return out
@@ -439,7 +439,8 @@ def release(descriptor: Mapping[str, Any]) -> None:
 # --- leader helpers -----------------------------------------------------------------------------
 
 
-def _contiguous_stride(shape: Sequence[int]) -> list[int]:
+def contiguous_stride(shape: Sequence[int]) -> list[int]:
+    """The strides (in elements) of a contiguous tensor of ``shape``."""
     stride, acc = [], 1
     for size in reversed(shape):
         stride.append(acc)
@@ -583,9 +584,9 @@ def _extent_bytes(shape: Sequence[int], stride: Sequence[int], itemsize: int) ->
     return (1 + sum((size - 1) * step for size, step in zip(shape, stride))) * itemsize
 
 
-def _view(region: numpy.ndarray, offset_bytes: int, dtype: torch.dtype,
-          shape: Sequence[int], stride: Sequence[int], *, inference: bool = False
-          ) -> torch.Tensor:
+def tensor_view(region: numpy.ndarray, offset_bytes: int, dtype: torch.dtype,
+                shape: Sequence[int], stride: Sequence[int], *, inference: bool = False
+                ) -> torch.Tensor:
     """A non-empty tensor at ``offset_bytes`` of ``region`` with a storage of its own (a plain
     load's layout: exactly its bytes, storage offset 0) that keeps the region alive; an
     inference tensor only when ``inference`` says so, whatever the caller's
@@ -645,7 +646,14 @@ def _map_blob(pid: int, fd: int, nbytes: int, dev: Any, ino: Any) -> numpy.ndarr
         os.close(own)
 
 
-def _map_file(pid: int, info: Mapping[str, Any]) -> numpy.ndarray:
+def map_file(pid: int, info: Mapping[str, Any]) -> numpy.ndarray:
+    """The whole file ``info["path"]`` mapped ``MAP_PRIVATE`` (as a uint8 array that keeps the
+    mapping alive), once checked to be the very file ``info`` describes (``dev``, ``ino``,
+    ``size``, ``mtime_ns``, as the leader with pid ``pid`` saw it).
+
+    Raises:
+        ShmAttachError: the file cannot be opened, or is another file than described.
+    """
     path = str(info["path"])
     try:
         own = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -162,6 +162,31 @@ def step(report: dict[str, Any], name: str, barrier: Barrier | None) -> Iterator
         barrier()
 
 
+@contextlib.contextmanager
+def patchload_lines() -> Iterator[list[str]]:
+    """The INFO lines patchload logs for its top-level calls in this thread during the block
+    ("led it", "followed rank 0: ..."), collected by a handler on its logger: what reaches
+    stderr is unchanged (the logger's handlers and, below WARNING, nothing prints)."""
+    lines: list[str] = []
+    thread = threading.get_ident()
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.thread == thread:
+                lines.append(record.getMessage())
+
+    log = logging.getLogger("patchload.coordination.call")
+    handler, level = Collect(logging.INFO), log.level
+    log.addHandler(handler)
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def error_info(exc: BaseException, start: float) -> dict[str, Any]:
     """What a test needs to know about an exception: class, bases, message, when."""
     import patchload

@@ -66,10 +66,11 @@ def _load_case(report: dict, barrier: _common.Barrier, counter: _common.Safetens
     ref, cls, repo, kwargs = _case(case, rank)
     with _common.step(report, step_name, barrier) as record:
         mark = counter.snapshot()
-        with _common.peak_memory() as memory:
+        with _common.peak_memory() as memory, _common.patchload_lines() as lines:
             result = _common.attempt(lambda: cls.from_pretrained(repo, **kwargs))
         record["checkpoint"] = counter.since(mark)
         record["memory"] = memory
+        record["patchload"] = lines
     record["ref"] = ref
     if result["ok"]:
         record["fingerprint"] = _common.fingerprint(result["value"])
