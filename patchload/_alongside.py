@@ -182,13 +182,14 @@ class MappedSlice:
         import torch
 
         from .transport import dtype_from_str
-        from .transport.shm import contiguous_stride, tensor_view
+        from .transport.shm import contiguous_stride, empty_tensor, tensor_view
 
-        dtype = dtype_from_str(self._dtype)
+        dtype, stride = dtype_from_str(self._dtype), contiguous_stride(self._shape)
+        inference = torch.is_inference_mode_enabled()
         if self.nbytes == 0:
-            tensor = torch.empty(self._shape, dtype=dtype)
+            tensor = empty_tensor(self._shape, stride, dtype, resizable=False,
+                                  inference=inference)
         else:
-            tensor = tensor_view(self._region, self._begin, dtype, self._shape,
-                                 contiguous_stride(self._shape),
-                                 inference=torch.is_inference_mode_enabled())
+            tensor = tensor_view(self._region, self._begin, dtype, self._shape, stride,
+                                 inference=inference)
         return tensor if index is Ellipsis else tensor[index]

@@ -34,7 +34,7 @@ from ._patching import Patch
 from ._tensors import Owners, entries_of, named_tensors
 from ._writes import write_patches
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
-from .coordination.protocol import Call, announced_layout, files_ready, node_leaders_call
+from .coordination.protocol import Call, announcement, files_ready, node_leaders_call
 from .coordination.scope import download_scope
 from .transport.job_collective import CollectiveWeights
 from .transport.node_shm import ShmWeights
@@ -354,7 +354,8 @@ def _described_header(mode: Mode, checkpoint_file: Any) -> dict[str, Any] | None
 def _layout(mode: Mode) -> dict[str, Any] | None:
     """Follower: the checkpoint layout its node leader announced (read once per call)."""
     if "layout" not in mode.used:
-        mode.used["layout"] = announced_layout(mode.call) if mode.call.scope == "node" else None
+        announced = announcement(mode.call) if mode.call.scope == "node" else None
+        mode.used["layout"] = (announced or {}).get("layout")
     return mode.used["layout"]
 
 
@@ -560,12 +561,13 @@ def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
 
 
 def _announce_files(mode: Mode, checkpoint_files: list[str] | None) -> None:
-    """Leader: :func:`files_ready`, once per call, with the layout of its checkpoint files
-    where its followers share its node (:mod:`patchload._alongside`)."""
+    """Leader: :func:`files_ready`, once per call, with the fingerprints of the call's local
+    paths and the layout of its checkpoint files where its followers share its node
+    (:mod:`patchload._alongside`)."""
     if "files_ready" not in mode.used:
         layout = describe(checkpoint_files) if mode.call.scope == "node" else None
         mode.used["layout"] = layout
-        files_ready(mode.call, layout)
+        files_ready(mode.call, {"layout": layout, "local": mode.local})
         mode.used["files_ready"] = True
 
 

@@ -631,6 +631,26 @@ def test_shm_share_frees_each_original_after_its_callback():
         shm.release(descriptor)
 
 
+def test_shm_empty_tensors_keep_whether_their_storage_can_be_resized(tmp_path):
+    """An empty checkpoint tensor (safetensors maps it: ``resize_`` raises) reaches followers
+    as one that cannot be resized either; a new empty tensor as one that can."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from patchload.transport import shm
+
+    save_file({"none": torch.empty(0, 5)}, str(tmp_path / "e.safetensors"))
+    with safe_open(str(tmp_path / "e.safetensors"), framework="pt") as f:
+        mapped = f.get_slice("none")[...]
+    descriptor, _ = shm.share([mapped, torch.empty(0, 3)])
+    try:
+        got = shm.attach(json.loads(json.dumps(descriptor)))
+        assert [t.shape for t in got] == [(0, 5), (0, 3)]
+        assert [t.untyped_storage().resizable() for t in got] == [False, True]
+    finally:
+        shm.release(descriptor)
+
+
 def test_shm_share_seals_the_arena_in_place_and_gives_back_what_no_tensor_kept():
     import fcntl
 
@@ -833,6 +853,7 @@ def test_followers_map_the_described_checkpoint_as_safetensors_reads_it(tmp_path
             assert (got.dtype, got.shape, got.stride(), got.storage_offset()) == \
                 (want.dtype, want.shape, want.stride(), want.storage_offset()), key
             assert got.untyped_storage().nbytes() == want.untyped_storage().nbytes(), key
+            assert got.untyped_storage().resizable() == want.untyped_storage().resizable(), key
             assert got.view(-1).view(torch.uint8).tolist() == \
                 want.view(-1).view(torch.uint8).tolist(), key
             with torch.inference_mode():

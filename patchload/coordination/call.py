@@ -62,6 +62,8 @@ class Mode:
         payload_of: followers: returns the leader's published payload (see :attr:`payload`).
         cache_dir: the call's ``cache_dir`` argument (None: the default hub cache), where a
             follower answers cache lookups that take no ``cache_dir`` (``file_exists``).
+        local: the leader's fingerprints of the local paths among the call's arguments (it
+            announces them with its files; see :func:`_local_paths`).
     """
 
     lead: bool
@@ -71,6 +73,7 @@ class Mode:
     pins: dict[str, Any] = field(default_factory=dict)
     payload_of: Callable[[], dict[str, Any]] | None = None
     cache_dir: str | os.PathLike[str] | None = None
+    local: dict[str, Any] = field(default_factory=dict)
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -281,7 +284,7 @@ class _Coordinated:
     def lead(self, call: _coordinate.Call
              ) -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
         self.did = f"led it ({call.scope} scope)"
-        mode = Mode(lead=True, call=call, loads_model=self.share is not None)
+        mode = Mode(lead=True, call=call, loads_model=self.share is not None, local=self.local)
         result = self._run(mode, self.lead_with or self.wrapped, self.kwargs)
         payload: dict[str, Any] = {}
         after = None
@@ -310,11 +313,9 @@ class _Coordinated:
         rng = _rng_state()
         kwargs = _offline(self.kwargs) if self.offline_kwarg else self.kwargs
         try:
-            result = _as_asked(self._run(mode, self.wrapped, kwargs), self.kwargs)
-            # After the rerun, not before: a model load's follower runs alongside its leader,
-            # before the outcome that holds the leader's fingerprints.
             if self.local:
                 self._check_local(mode)
+            result = _as_asked(self._run(mode, self.wrapped, kwargs), self.kwargs)
             differences = _differences(mode.pins, mode.payload.get("pins", {}))
             if differences:
                 raise VerificationFailed("; ".join(differences[:3]))
@@ -332,7 +333,10 @@ class _Coordinated:
         return result
 
     def _check_local(self, mode: Mode) -> None:
-        theirs = mode.payload.get("local", {})
+        # A model load's leader announces them with its files: its followers check them then,
+        # before their rerun, without waiting for its outcome.
+        announced = _coordinate.announcement(mode.call)
+        theirs = (announced if announced is not None else mode.payload).get("local", {})
         for path, fingerprint in self.local.items():
             if theirs.get(path) != fingerprint:
                 raise VerificationFailed(f"the local path {path} holds other files (names, "

@@ -32,7 +32,7 @@ from .identity import kernel_id, node_id, process_alive
 from .key import digest
 from .store import JobStore, job_store
 
-__all__ = ["Call", "Role", "announced_layout", "call_key", "claim", "files_ready", "finish",
+__all__ = ["Call", "Role", "announcement", "call_key", "claim", "files_ready", "finish",
            "leader_first", "leading", "node_leaders_call", "publish", "raise_failure", "wait_outcome"]
 
 logger = logging.getLogger(__name__)
@@ -215,24 +215,22 @@ def _leader_alive(role: Role) -> bool:
     return process_alive(role.leader_node, role.leader_pid)
 
 
-def files_ready(call: Call, layout: dict[str, Any] | None = None) -> None:
+def files_ready(call: Call, announced: dict[str, Any] | None = None) -> None:
     """Leader: announce that every file of ``call`` is in the cache (its load is under way), so
-    that followers can start their own part of the call before the outcome, with what they may
-    need to map its checkpoint files (JSON-able ``layout``, see :func:`announced_layout`). Not
-    collective."""
+    that followers can start their own part of the call before the outcome, with what they need
+    to check before it (JSON-able ``announced``, see :func:`announcement`). Not collective."""
     with call.store.lock:
-        call.store.store.set(call.key + "files", json.dumps(layout))
+        call.store.store.set(call.key + "files", json.dumps(announced or {}))
     beat(call)
 
 
-def announced_layout(call: Call) -> dict[str, Any] | None:
-    """Follower: the layout the leader announced with its files (:func:`files_ready`), or None
-    (none announced, or not yet). Not collective; does not wait."""
+def announcement(call: Call) -> dict[str, Any] | None:
+    """Follower: what the leader announced with its files (:func:`files_ready`), or None (none
+    announced, or not yet). Not collective; does not wait."""
     with call.store.lock:
         if not call.store.store.check([call.key + "files"]):
             return None
-        value = call.store.store.get(call.key + "files")
-    return json.loads(value)
+        return json.loads(call.store.store.get(call.key + "files"))
 
 
 def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str, Any] | None:

@@ -47,7 +47,8 @@ from patchload.transport import (
     meta_of,
 )
 
-__all__ = ["share", "attach", "release", "map_file", "tensor_view", "contiguous_stride"]
+__all__ = ["share", "attach", "release", "map_file", "tensor_view", "empty_tensor",
+           "contiguous_stride"]
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,9 @@ def _describe(tensors: Sequence[torch.Tensor], arena: BlobArena | None
         entry: dict[str, Any] = {"meta": meta_of(t).to_json()}
         entries.append(entry)
         if t.numel() == 0:
-            entry.update(kind="empty", stride=list(t.stride()))
+            # A checkpoint's empty tensor cannot be resized (safetensors maps it), a new one can.
+            entry.update(kind="empty", stride=list(t.stride()),
+                         resizable=t.untyped_storage().resizable())
             continue
         dense = _is_dense(t)
         if dense and arena is not None and arena.owns(t):
@@ -395,7 +398,8 @@ def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
         dtype = dtype_from_str(meta.dtype)
         kind = entry.get("kind")
         if kind == "empty":
-            out.append(torch.empty_strided(meta.shape, entry["stride"], dtype=dtype))
+            out.append(empty_tensor(meta.shape, entry["stride"], dtype,
+                                    resizable=entry.get("resizable", True)))
             continue
         if kind == "blob":
             if blob is None:
@@ -595,6 +599,18 @@ def tensor_view(region: numpy.ndarray, offset_bytes: int, dtype: torch.dtype,
     with torch.inference_mode(inference):
         storage = torch.frombuffer(region[offset_bytes:offset_bytes + extent],
                                    dtype=torch.uint8).untyped_storage()
+        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), tuple(stride))
+
+
+def empty_tensor(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, *,
+                 resizable: bool, inference: bool = False) -> torch.Tensor:
+    """A tensor with no elements, its storage of 0 bytes resizable or not (safetensors' empty
+    tensors are views of its mapping: ``resize_`` raises on them, as on a mapped one here); an
+    inference tensor only when ``inference`` says so."""
+    with torch.inference_mode(inference):
+        if resizable:
+            return torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype)
+        storage = torch.from_numpy(numpy.empty(0, dtype=numpy.uint8)).untyped_storage()
         return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), tuple(stride))
 
 
