@@ -474,7 +474,7 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
         if first:  # followers decide the same from the same arguments and layout
             mode.used["alongside"] = maps_as_plain(state_dict, files, load_config,
                                                    mode.used.get("layout"))
-        if model is not None and first:
+        if model is not None and first and not mode.used["alongside"]:  # nothing to share
             _transport_of(mode.call).prepare(mode.call, model, mode.used)
         result = wrapped(*args, **kwargs)
         if first:
