@@ -54,7 +54,8 @@ def describe(paths: Sequence[str] | None) -> dict[str, Any] | None:
         in the file; keys sorted as safetensors' ``keys()`` lists them), or None when a file is not a safetensors file this can describe
         (logged at DEBUG).
     """
-    if not paths or not all(str(p).endswith(".safetensors") for p in paths):
+    if not isinstance(paths, (list, tuple)) or not paths or not all(
+            isinstance(p, (str, os.PathLike)) and str(p).endswith(".safetensors") for p in paths):
         return None
     files = []
     for path in paths:

@@ -22,6 +22,7 @@ other than the CPU, quantized loads, tensor parallelism, GGUF files, a user ``st
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Final
@@ -463,9 +464,8 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
         return wrapped(*args, **kwargs)
     mapping = getattr(args[3] if len(args) > 3 else kwargs.get("load_config"), "weight_mapping",
                       None)  # transformers 5: the key conversions this load may apply
-    state_dict, files, load_config = (_argument(args, kwargs, i, name) for i, name in
-                                      ((1, "state_dict"), (2, "checkpoint_files"),
-                                       (3, "load_config")))
+    state_dict, files, load_config = (_argument(wrapped, args, kwargs, name) for name in
+                                      ("state_dict", "checkpoint_files", "load_config"))
     if mode.lead:
         # if _files_resolved did not already (no _get_dtype there)
         _announce_files(mode, files)
@@ -496,8 +496,15 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     return loaded_from_leader(model, weights["loading_info"])
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
-    return args[index] if len(args) > index else kwargs.get(name)
+def _argument(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              name: str) -> Any:
+    """The argument ``name`` of a call of ``function`` (None where it has no such parameter):
+    by name, as positions differ between transformers lines (4.x's ``_get_dtype`` takes
+    ``cls`` first)."""
+    try:
+        return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get(name)
+    except (TypeError, ValueError):
+        return None
 
 
 def _load_alongside(wrapped: Callable[..., Any], mode: Mode, args: tuple[Any, ...],
@@ -556,7 +563,7 @@ def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     resolve later, the generation config, they resolve after the leader's outcome)."""
     mode = current_mode()
     if mode is not None and mode.lead and mode.loads_model:
-        _announce_files(mode, _argument(args, kwargs, 1, "checkpoint_files"))
+        _announce_files(mode, _argument(wrapped, args, kwargs, "checkpoint_files"))
     return wrapped(*args, **kwargs)
 
 
