@@ -18,8 +18,8 @@ handles it opens itself, or takes a state dict). Linux only. Nothing here is col
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import struct
 from typing import TYPE_CHECKING, Any, Final, Sequence
@@ -36,9 +36,6 @@ logger = logging.getLogger(__name__)
 _DTYPES: Final = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                   "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
                   "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-_ITEMSIZE: Final = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
-                    "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1,
-                    "float8_e5m2": 1}
 _HEADER_MAX_BYTES: Final = 100 * 2**20  # safetensors refuses larger headers too
 
 
@@ -51,8 +48,8 @@ def describe(paths: Sequence[str] | None) -> dict[str, Any] | None:
     Returns:
         ``{"pid": <this process>, "files": [{"path", "dev", "ino", "size", "mtime_ns",
         "tensors": [[key, dtype, shape, begin, end], ...]}, ...]}`` (real paths; byte offsets
-        in the file; keys sorted as safetensors' ``keys()`` lists them), or None when a file is not a safetensors file this can describe
-        (logged at DEBUG).
+        in the file; keys sorted as safetensors' ``keys()`` lists them), or None when a file is
+        not a safetensors file this can describe (logged at DEBUG).
     """
     if not isinstance(paths, (list, tuple)) or not paths or not all(
             isinstance(p, (str, os.PathLike)) and str(p).endswith(".safetensors") for p in paths):
@@ -68,6 +65,8 @@ def describe(paths: Sequence[str] | None) -> dict[str, Any] | None:
 
 
 def _describe_file(path: str) -> dict[str, Any]:
+    from .transport import dtype_from_str
+
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
         (length,) = struct.unpack("<Q", f.read(8))
@@ -82,7 +81,7 @@ def _describe_file(path: str) -> dict[str, Any]:
         if end > st.st_size:
             raise ValueError(f"{key} ends at byte {end} of a {st.st_size}-byte file")
         dtype, shape = _DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]]
-        if begin > end or math.prod(shape) * _ITEMSIZE[dtype] != end - begin:
+        if begin > end or math.prod(shape) * dtype_from_str(dtype).itemsize != end - begin:
             raise ValueError(f"{key}: {end - begin} bytes for shape {shape} of {dtype}")
         tensors.append([key, dtype, shape, begin, end])
     return {"path": path, "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,

@@ -33,7 +33,8 @@ from .key import digest
 from .store import JobStore, job_store
 
 __all__ = ["Call", "Role", "announcement", "call_key", "claim", "files_ready", "finish",
-           "leader_first", "leading", "node_leaders_call", "publish", "raise_failure", "wait_outcome"]
+           "leader_first", "leading", "node_leaders_call", "publish", "raise_failure",
+           "wait_outcome"]
 
 logger = logging.getLogger(__name__)
 
