@@ -707,12 +707,24 @@ def test_fifty_loads_in_a_row_with_four_ranks_release_what_they_take(
 
 
 _FILE_STORE_USER = """
-import sys
+import atexit, sys
+
+
+@atexit.register  # before patchload's own hooks, so it runs after them
+def after_patchload():
+    try:
+        store.store.check(["hello"])
+        print("a client of the store is still open", flush=True)
+    except RuntimeError as err:
+        print(err, flush=True)
+
+
 from patchload.coordination.store import job_store
 
-store = job_store()
+store = job_store()  # held to the end, as a user's objects may hold it
 with store.lock:
     store.store.set("hello", "1")
+store.wait_for("hello", 5.0)  # a second client, kept for the next wait
 print(store.kind, flush=True)
 sys.stdin.read()  # exits when the test closes stdin
 """
@@ -722,7 +734,9 @@ sys.stdin.read()  # exits when the test closes stdin
 def test_node_local_store_file_is_removed_by_the_last_process_out(tmp_path: Path) -> None:
     """Without a launcher store, ranks share a FileStore in patchload's private directory; it
     outlives the first rank to exit and goes with the last, even when another was SIGKILLed
-    (it never counts itself out)."""
+    (it never counts itself out). A rank closes its clients of the file before it counts
+    itself out: a FileStore writes to its file when destroyed, and one destroyed after the last
+    rank removed the file recreated it (left behind; a later client read garbage from it)."""
     from _launch import job_env
 
     env = job_env("http://127.0.0.1:9", tmp_path / "hf", tmp_path / "out",
@@ -738,8 +752,9 @@ def test_node_local_store_file_is_removed_by_the_last_process_out(tmp_path: Path
         procs[2].kill()
         procs[2].wait(timeout=30)
         for i, proc in enumerate(procs[:2]):
-            proc.communicate("", timeout=60)
+            out, _ = proc.communicate("", timeout=60)
             assert proc.returncode == 0
+            assert out.strip() == "patchload's job store was closed at interpreter exit (check)"
             assert store_file.exists() == (i == 0), f"after {i + 1} of 2 exited"
         assert not any(private.iterdir())
     finally:

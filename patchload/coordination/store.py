@@ -7,8 +7,11 @@ Coordination never uses collectives on the user's process group: it goes through
    store at ``MASTER_ADDR:MASTER_PORT``: there before and after the user's ``init_process_group``;
 2. the default process group's store, once ``init_process_group`` ran;
 3. a ``FileStore`` in a node-local, per-user directory: downloads are then coordinated inside one
-   node only. Every process that opens it counts itself in; at exit, the last one out removes
-   the file, as does one that finds every other process that used it gone (killed).
+   node only. Every process that opens it counts itself in; at exit, once its own clients of
+   the file are closed, it counts itself out, and the last one out removes the file, as does
+   one that finds every other process that used it gone (killed). A ``FileStore`` writes to its
+   file even when destroyed, so a client destroyed after the removal would recreate the file,
+   and one still holding a read position in the old file would read garbage from the new one.
 
 Every key is namespaced with a ``PrefixStore`` naming the job (run id and restart count), so a
 restarted job never sees the keys of the attempt before.
@@ -42,7 +45,14 @@ logger = logging.getLogger(__name__)
 _STORE_OP_TIMEOUT: Final = timedelta(seconds=60)
 
 
-@dataclass(frozen=True)
+class _ClosedStore:
+    """Stands in for a store this process closed at exit: any use raises."""
+
+    def __getattr__(self, name: str) -> None:
+        raise RuntimeError(f"patchload's job store was closed at interpreter exit ({name})")
+
+
+@dataclass(eq=False)
 class JobStore:
     """A namespaced store shared by the ranks of one job.
 
@@ -52,12 +62,14 @@ class JobStore:
             ``file`` (node-local ``FileStore``; coordinates one node only).
         lock: serialises this process's use of ``store`` across threads (the heartbeat thread
             shares it with the caller's thread).
+        file: the node-local store's file (kind ``file`` only).
     """
 
     store: Store
     kind: str
     lock: threading.RLock
-    _idle: list[Store] = field(default_factory=list, compare=False, repr=False)
+    file: Path | None = None
+    _idle: list[Store] = field(default_factory=list, repr=False)
 
     @property
     def node_local(self) -> bool:
@@ -97,6 +109,13 @@ class JobStore:
             self._idle.append(client)
         return found
 
+    def close(self) -> None:
+        """Destroy this process's clients of the store (at exit); any later use raises
+        ``RuntimeError``. Not collective."""
+        with self.lock, _CACHE_LOCK:
+            self._idle.clear()
+            self.store = _ClosedStore()  # type: ignore[assignment]
+
 
 _CACHE: dict[tuple[str, int], JobStore] = {}
 # The default process group's store -> its JobStore, for as long as the group holds that store:
@@ -110,10 +129,17 @@ _PG_LOCK = threading.RLock()
 @atexit.register
 def _drop_stores() -> None:
     # Close store clients while the interpreter is whole, not during its finalization, where
-    # destroying torch's C++ objects in an arbitrary order can abort the process.
+    # destroying torch's C++ objects in an arbitrary order can abort the process. Registered
+    # when this module is imported, so it runs after the exit hooks of the threads that use
+    # the store (atexit runs hooks last-registered first).
     with _CACHE_LOCK:
+        mine = [job for (_, pid), job in _CACHE.items() if pid == os.getpid()]
         _CACHE.clear()
         _PG_CACHE.clear()
+    for job in mine:
+        job.close()
+        if job.file is not None:
+            _leave_file_store(job.file)
 
 
 _FALLBACK_DIR: Path | None = None  # this process's private directory, when the usual one is unfit
@@ -180,16 +206,24 @@ _PIDS_KEY: Final = "patchload-pids"
 _EXITED_KEY: Final = "patchload-exited"
 
 
-def _leave_file_store(base: Store, path: Path) -> None:
-    """At exit: count this process out of the node-local store; the last one out removes its
-    file, and so does one that finds every other process that used it gone (killed processes
-    never count themselves out)."""
+def _leave_file_store(path: Path) -> None:
+    """At exit, once this process's clients of it are closed: count this process out of the
+    node-local store; the last one out removes its file, and so does one that finds every other
+    process that used it gone (killed processes never count themselves out). Under the
+    directory's lock, so that no other process's client writes to the file in between."""
+    import torch.distributed as dist
+
     try:
-        last = base.add(_EXITED_KEY, 1) >= base.add(_USERS_KEY, 0)
-        pids = {int(pid) for pid in base.get(_PIDS_KEY).decode().split(",") if pid}
-        here = node_id()
-        if last or all(pid == os.getpid() or not process_alive(here, pid) for pid in pids):
-            path.unlink(missing_ok=True)
+        with _directory_locked(path.parent):
+            if not path.exists():  # dropped by a process that found this one gone
+                return
+            store = dist.FileStore(str(path), -1)
+            last = store.add(_EXITED_KEY, 1) >= store.add(_USERS_KEY, 0)
+            pids = {int(pid) for pid in store.get(_PIDS_KEY).decode().split(",") if pid}
+            del store  # its destructor writes to the file: before the removal
+            here = node_id()
+            if last or all(pid == os.getpid() or not process_alive(here, pid) for pid in pids):
+                path.unlink()
     except Exception as err:  # noqa: BLE001 - at exit; the file is only left behind
         logger.debug("leaving the node-local store %s failed: %s", path, err)
 
@@ -232,6 +266,7 @@ def _drop_if_abandoned(path: Path) -> None:
 def _make(kind: str, base: Store | None = None) -> JobStore:
     import torch.distributed as dist
 
+    path = None
     if kind == "agent":
         base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                              is_master=False, timeout=_STORE_OP_TIMEOUT)
@@ -244,11 +279,10 @@ def _make(kind: str, base: Store | None = None) -> JobStore:
             base = dist.FileStore(str(path), -1)
             base.add(_USERS_KEY, 1)
             base.append(_PIDS_KEY, f"{os.getpid()},")
-        atexit.register(_leave_file_store, base, path)
         logger.warning("no job-wide store (not under torchrun and no process group yet): "
                        "coordinating downloads inside this node only, through %s", path)
     lock = _PG_LOCK if kind == "process_group" else threading.RLock()
-    return JobStore(dist.PrefixStore(f"patchload/{_namespace()}/", base), kind, lock)
+    return JobStore(dist.PrefixStore(f"patchload/{_namespace()}/", base), kind, lock, path)
 
 
 def _kind() -> str:
