@@ -462,14 +462,15 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     mode = current_mode()
     if mode is None or not mode.loads_model:
         return wrapped(*args, **kwargs)
-    mapping = getattr(args[3] if len(args) > 3 else kwargs.get("load_config"), "weight_mapping",
-                      None)  # transformers 5: the key conversions this load may apply
-    state_dict, files, load_config = (_argument(wrapped, args, kwargs, name) for name in
-                                      ("state_dict", "checkpoint_files", "load_config"))
+    bound = _arguments(wrapped, args, kwargs)
+    model, state_dict, files, load_config = (bound.get(name) for name in
+                                             ("model", "state_dict", "checkpoint_files",
+                                              "load_config"))
+    # transformers 5: the key conversions this load may apply
+    mapping = getattr(load_config, "weight_mapping", None)
     if mode.lead:
         # if _files_resolved did not already (no _get_dtype there)
         _announce_files(mode, files)
-        model = args[0] if args else kwargs.get("model")
         first = "loading_info" not in mode.used  # not an adapter's load inside the same call
         if first:  # followers decide the same from the same arguments and layout
             mode.used["alongside"] = maps_as_plain(state_dict, files, load_config,
@@ -488,7 +489,6 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
             if state is not None:
                 mode.used["alongside"] = True
                 return _load_alongside(wrapped, mode, args, kwargs, state)
-    model = args[0] if args else kwargs.get("model")
     if not receive(mode, model):
         return wrapped(*args, **kwargs)
     weights = mode.payload["weights"]
@@ -496,15 +496,15 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     return loaded_from_leader(model, weights["loading_info"])
 
 
-def _argument(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-              name: str) -> Any:
-    """The argument ``name`` of a call of ``function`` (None where it has no such parameter):
+def _arguments(function: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a call of ``function`` by parameter name (empty where they do not bind):
     by name, as positions differ between transformers lines (4.x's ``_get_dtype`` takes
     ``cls`` first)."""
     try:
-        return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get(name)
+        return dict(inspect.signature(function).bind_partial(*args, **kwargs).arguments)
     except (TypeError, ValueError):
-        return None
+        return {}
 
 
 def _load_alongside(wrapped: Callable[..., Any], mode: Mode, args: tuple[Any, ...],
@@ -563,7 +563,7 @@ def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     resolve later, the generation config, they resolve after the leader's outcome)."""
     mode = current_mode()
     if mode is not None and mode.lead and mode.loads_model:
-        _announce_files(mode, _argument(wrapped, args, kwargs, "checkpoint_files"))
+        _announce_files(mode, _arguments(wrapped, args, kwargs).get("checkpoint_files"))
     return wrapped(*args, **kwargs)
 
 
