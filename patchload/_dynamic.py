@@ -8,8 +8,9 @@ ModuleNotFoundError, SyntaxError).
 
 ``transformers.dynamic_module_utils.get_cached_module_file`` is therefore coordinated per node:
 the node's leader fetches the file and writes the module files; the other ranks wait for its
-outcome, then run the call from the cache, find the files complete and forget the import
-system's cached directory listings before importing them. Every rank also holds a
+outcome (a model load's followers, which start at once: for the leader's module file, before
+they take the lock below), then run the call from the cache, find the files complete and forget
+the import system's cached directory listings before importing them. Every rank also holds a
 file lock in the modules cache while transformers writes there: it covers the calls made inside
 another coordinated call whose leader sits on another node (``PATCHLOAD_DOWNLOAD_SCOPE=job``),
 where the followers of one node would otherwise write at the same time.
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import _state
-from .coordination.call import coordinated
+from .coordination.call import coordinated, current_mode, pin_key
 from ._patching import Patch
 
 __all__ = ["dynamic_module_patches"]
@@ -49,6 +50,13 @@ def _get_cached_module_file(wrapped: Callable[..., Any], instance: Any, args: tu
 
     @functools.wraps(wrapped)
     def locked(*args: Any, **kwargs: Any) -> Any:
+        mode = current_mode()
+        if mode is not None:
+            # A follower that started at once (a model load) waits for the leader's module file
+            # before it takes the lock: the leader takes it to write that file, and this rank's
+            # call, inside the lock, would wait for it.
+            mode.wait_pin(pin_key("hf_hub_download", (repo, module_file),
+                                  {"repo_type": kwargs.get("repo_type")}))
         with _modules_lock():
             path = wrapped(*args, **kwargs)
         # transformers forgets the import system's directory listings only when this process

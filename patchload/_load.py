@@ -7,9 +7,10 @@ Protocol of :mod:`patchload.transport.base`: shared memory inside a node, a broa
 nodes) and publishes where they are. Followers run the same original call from the cache, so
 configuration, dtype resolution, the meta-device skeleton, tying, ``eval()``, generation config
 and ``hf_device_map`` all come from transformers itself; only ``_load_pretrained_model`` (the step
-that reads checkpoint files) is replaced by assembling the leader's tensors. The leader announces
-when its config and checkpoint files are resolved (they are in the cache by then), so followers
-build their skeleton while it builds its own and loads, and wait for its tensors only there. At
+that reads checkpoint files) is replaced by assembling the leader's tensors. Followers start at
+once: each hub call of theirs waits only for the leader's same call (its pin), so they build
+their config and skeleton while it downloads and loads, and wait for its tensors only there; the
+leader announces when its checkpoint files are resolved, with their layout. At
 the end every follower parameter and buffer is re-pointed at the leader's bytes, so the model
 equals a plain load bitwise. Building ``DistributedDataParallel`` or an optimizer over such
 weights first copies them out of the shared memory (:mod:`patchload._writes`).
@@ -35,7 +36,7 @@ from ._patching import Patch
 from ._tensors import Owners, entries_of, named_tensors
 from ._writes import write_patches
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
-from .coordination.protocol import Call, announcement, files_ready, node_leaders_call
+from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
 from .transport.job_collective import CollectiveWeights
 from .transport.node_shm import ShmWeights
@@ -273,7 +274,7 @@ def _received(transport: Any, mode: Mode, weights: dict[str, Any]) -> list[torch
 def _abandon(mode: Mode) -> None:
     """Follower giving up on the leader's result: its transport may still need it (a broadcast
     member: the leader and the other members wait for every member)."""
-    weights = (mode.payload.get("weights") or {}) if mode.payload_of is not None else {}
+    weights = (mode.payload.get("weights") or {}) if mode.leader is not None else {}
     if weights.get("transport") in _TRANSPORTS:
         _TRANSPORTS[weights["transport"]].abandon(mode.call, weights, mode.used)
 
@@ -355,7 +356,7 @@ def _described_header(mode: Mode, checkpoint_file: Any) -> dict[str, Any] | None
 def _layout(mode: Mode) -> dict[str, Any] | None:
     """Follower: the checkpoint layout its node leader announced (read once per call)."""
     if "layout" not in mode.used:
-        announced = announcement(mode.call) if mode.call.scope == "node" else None
+        announced = mode.announcement() if mode.call.scope == "node" else None
         mode.used["layout"] = (announced or {}).get("layout")
     return mode.used["layout"]
 
@@ -558,9 +559,9 @@ def _conversions_as_leader(model: Any, mapping: list[Any] | None,
 def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
     """``transformers.modeling_utils._get_dtype``, which ``from_pretrained`` calls once the
-    config and every checkpoint file are resolved: a leader announces its files here, so that
-    followers build their config and skeleton while it builds its own and loads (what they
-    resolve later, the generation config, they resolve after the leader's outcome)."""
+    config and every checkpoint file are resolved: a leader announces its files here, with their
+    layout (what followers resolve after this, the generation config, they resolve after the
+    leader's outcome)."""
     mode = current_mode()
     if mode is not None and mode.lead and mode.loads_model:
         _announce_files(mode, _arguments(wrapped, args, kwargs).get("checkpoint_files"))

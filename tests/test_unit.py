@@ -188,12 +188,8 @@ def test_follower_exception_of_unknown_class_is_leader_failed():
     assert type(exc) is LeaderFailedError and "p: m" in str(exc) and "not.imported.Boom" in str(exc)
 
 
-@pytest.mark.timeout(60)
-def test_a_follower_whose_leader_failed_after_announcing_its_files_runs_its_own_part():
-    """A model load's follower that arrived before its leader failed, and looked only after
-    (still in its ``idle`` work), runs its own part of the call as one that looked earlier does:
-    what it raises (its own error where its own build fails, else the leader's at the reading
-    step) must not depend on timing."""
+def _two_rank_calls(name: str):
+    """A store server and a function giving rank 0's or 1's view of one job-scoped call."""
     import threading
     from datetime import timedelta
 
@@ -208,10 +204,24 @@ def test_a_follower_whose_leader_failed_after_announcing_its_files_runs_its_own_
     def call_of(rank: int) -> protocol.Call:
         client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
                                timeout=timedelta(seconds=30))
-        return protocol.Call("t/announced-then-failed/", "load()", "job",
+        return protocol.Call(f"t/{name}/", "load()", "job",
                              Topology(rank, 2, rank, 2, 0, "torchrun"), Config(),
                              JobStore(client, "agent", threading.RLock()))
 
+    return server, call_of
+
+
+@pytest.mark.timeout(60)
+def test_a_follower_whose_leader_failed_after_announcing_its_files_runs_its_own_part():
+    """A model load's follower that arrived before its leader failed, and looked only after
+    (still in its ``idle`` work), runs its own part of the call as one that looked earlier does:
+    what it raises (its own error where its own build fails, else the leader's at the reading
+    step) must not depend on timing."""
+    import threading
+
+    from patchload.coordination import protocol
+
+    server, call_of = _two_rank_calls("announced-then-failed")
     leader_failed = threading.Event()
     seen: dict[str, object] = {}
 
@@ -228,12 +238,13 @@ def test_a_follower_whose_leader_failed_after_announcing_its_files_runs_its_own_
         finally:
             leader_failed.set()
 
-    def follow(call, role, payload):
+    def follow(call, role, leader):
         seen["followed"] = True
         try:
-            payload()
+            leader.payload()
         except ValueError as err:  # the leader's error, at the reading step
             seen["payload"] = type(err).__mro__[1].__name__
+        seen["failed_early"] = leader.failed_early()  # no: it announced its files first
         raise KeyError("this rank's own build failed")
 
     def follower() -> None:
@@ -254,8 +265,63 @@ def test_a_follower_whose_leader_failed_after_announcing_its_files_runs_its_own_
             break
         threading.Event().wait(0.1)
     assert seen == {"leader": "the leader's own __init__ failed", "followed": True,
-                    "payload": "ValueError",
+                    "payload": "ValueError", "failed_early": False,
                     "follower": "KeyError(\"this rank's own build failed\")"}, seen
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("leader_ends", ["succeeds", "fails before announcing its files"])
+def test_a_follower_that_starts_at_once_waits_only_for_the_leaders_same_hub_call(leader_ends):
+    """A model load's follower starts its part at once; each of its hub calls waits for the
+    leader's pin of that same file, not for the leader's outcome. A leader that fails before
+    its files are announced ends every follower with its error, where it waits next."""
+    import threading
+
+    from patchload.coordination import protocol
+
+    server, call_of = _two_rank_calls("pins-" + leader_ends.split()[0])
+    weights_pinned = threading.Event()
+    seen: dict[str, object] = {}
+
+    def lead(call: protocol.Call):
+        protocol.publish_pins(call, {"model:o/m:config.json": ["c0", "blob", 1]})
+        # Goes on only once the follower is past its wait for that pin (it never waited for an
+        # outcome that comes only after this).
+        if not weights_pinned.wait(20):
+            raise OSError("the follower's hub call waited for the leader's outcome")
+        if leader_ends != "succeeds":
+            raise OSError("the weights' download failed")
+        protocol.files_ready(call)
+        return "model", {"weights": None}, None
+
+    def leader() -> None:
+        try:
+            protocol.leader_first(call_of(0), lead, None, early=True)
+        except OSError as err:
+            seen["leader"] = str(err)
+
+    def follow(call, role, leader_view):
+        leader_view.wait_pin("model:o/m:config.json")
+        weights_pinned.set()  # the leader goes on only now
+        leader_view.wait_pin("model:o/m:model.safetensors")
+        return leader_view.payload()
+
+    def follower() -> None:
+        try:
+            seen["follower"] = protocol.leader_first(call_of(1), None, follow, early=True)
+        except OSError as err:
+            seen["follower"] = f"{type(err).__mro__[1].__name__}: {str(err).splitlines()[0]}"
+
+    threads = [threading.Thread(target=follower), threading.Thread(target=leader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(45)
+    if leader_ends == "succeeds":
+        assert seen["follower"] == {"weights": None}, seen
+    else:
+        assert seen["leader"] == "the weights' download failed", seen
+        assert seen["follower"] == "OSError: the weights' download failed", seen
 
 
 _PATCHED_NAMES = """

@@ -10,9 +10,13 @@ starts through a ``ThreadPoolExecutor`` count as inside it).
   every local path among its arguments.
 - A **follower** waits for that outcome, then reruns the same call from its own cache
   (``local_files_only=True``; nested calls offline; library background requests off), recording
-  the files it resolves. It uses the result only when those files are the leader's; otherwise, or
-  when the rerun fails where the leader succeeded, it warns and makes a **plain call** (online,
-  nothing patched inside), after restoring the random-number state it had before the rerun.
+  the files it resolves. A model load's followers start at once instead: the leader publishes
+  each hub call's pin as it returns, and a follower's same call waits for that
+  (:meth:`Mode.wait_pin`). A follower uses its result only when those files are the leader's;
+  otherwise, or when the rerun fails where the leader succeeded, it warns and makes a **plain
+  call** (online, nothing patched inside), after restoring the random-number state it had before
+  the rerun. A follower that started at once ends with the leader's error where the leader
+  failed before announcing its files, as one that waited would.
 - A call whose arguments cannot be rendered (:mod:`.key`) is not matched across ranks: it runs as
   it is, and the hub calls inside it are coordinated one by one.
 """
@@ -36,12 +40,14 @@ from .scope import download_scope
 from .store import job_store
 
 __all__ = ["Mode", "VerificationFailed", "context_patches", "current_mode", "coordinated",
-           "plain", "record_hub_result", "verify_so_far"]
+           "pin_key", "plain", "record_hub_result", "verify_so_far"]
 
 logger = logging.getLogger(__name__)
 
 _FINGERPRINT_MAX_FILES: Final = 10_000
 _HUB_DOWNLOADS: Final = ("hf_hub_download", "snapshot_download")
+# The hub calls whose result is pinned: a follower's must be the leader's.
+_PINNED: Final = (*_HUB_DOWNLOADS, "resolve_revision")
 
 
 class VerificationFailed(Exception):
@@ -58,8 +64,9 @@ class Mode:
         loads_model: the enclosing call loads model weights (it shares them on the leader).
         used: per-call scratch space for nested wrappers (weights received, headers read).
         pins: the hub files this rank's call resolved: ``{"<type>:<repo>:<path>": [commit,
-            blob, size]}``, or ``None`` for a file found absent.
-        payload_of: followers: returns the leader's published payload (see :attr:`payload`).
+            blob, size]}``, or ``None`` for a file found absent; ``{"<type>:<repo>:@<revision>":
+            [commit]}`` for a revision it resolved (:func:`pin_key`).
+        leader: followers: their view of the leader (its outcome, announcement and pins).
         cache_dir: the call's ``cache_dir`` argument (None: the default hub cache), where a
             follower answers cache lookups that take no ``cache_dir`` (``file_exists``).
         local: the leader's fingerprints of the local paths among the call's arguments (it
@@ -71,16 +78,28 @@ class Mode:
     loads_model: bool = False
     used: dict[str, Any] = field(default_factory=dict)
     pins: dict[str, Any] = field(default_factory=dict)
-    payload_of: Callable[[], dict[str, Any]] | None = None
+    leader: _coordinate.LeaderView | None = None
     cache_dir: str | os.PathLike[str] | None = None
     local: dict[str, Any] = field(default_factory=dict)
 
     @property
     def payload(self) -> dict[str, Any]:
         """The leader's published payload; empty on the leader. A follower that started before
-        the leader finished (model loads start once the leader's files are in the cache) waits
-        here for the leader's outcome, bounded, and raises the leader's failure."""
-        return self.payload_of() if self.payload_of is not None else {}
+        the leader finished (a model load's followers start at once) waits here for the
+        leader's outcome, bounded, and raises the leader's failure."""
+        return self.leader.payload() if self.leader is not None else {}
+
+    def wait_pin(self, key: str | None) -> None:
+        """Follower: wait until its leader resolved the hub file ``key`` (or announced its
+        files, or finished): see :meth:`patchload.coordination.protocol.LeaderView.wait_pin`.
+        Returns at once on the leader."""
+        if self.leader is not None:
+            self.leader.wait_pin(key)
+
+    def announcement(self) -> dict[str, Any] | None:
+        """Follower: what its leader announced with its files (:func:`.protocol.files_ready`),
+        once it did or finished (None: never announced); None on the leader."""
+        return self.leader.announcement() if self.leader is not None else None
 
 
 _MODE: contextvars.ContextVar[Mode | None] = contextvars.ContextVar("patchload_mode", default=None)
@@ -141,17 +160,42 @@ def _pin_of(path: str) -> list[Any] | None:
         return None
 
 
-def record_hub_result(mode: Mode, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      result: Any) -> None:
-    """Record in ``mode.pins`` the file (or snapshot) a nested hub call resolved, or None for a
-    file it found absent (``result`` is the exception)."""
+def pin_key(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The key under which a hub call's result is pinned (one of :data:`_PINNED`):
+    ``<type>:<repo>:<path>`` (``*`` for a snapshot), ``<type>:<repo>:@<revision>`` for a
+    revision resolved."""
     repo = kwargs.get("repo_id", args[0] if args else None)
+    repo_type = kwargs.get("repo_type") or "model"
+    if name == "resolve_revision":
+        return f"{repo_type}:{repo}:@{kwargs.get('revision') or ''}"
     filename = kwargs.get("filename", args[1] if len(args) > 1 else None) \
         if name == "hf_hub_download" else "*"
     subfolder = kwargs.get("subfolder") or ""
-    repo_type = kwargs.get("repo_type") or "model"
-    key = f"{repo_type}:{repo}:{subfolder + '/' if subfolder else ''}{filename}"
-    mode.pins[key] = _pin_of(result) if isinstance(result, (str, os.PathLike)) else None
+    return f"{repo_type}:{repo}:{subfolder + '/' if subfolder else ''}{filename}"
+
+
+def record_hub_result(mode: Mode, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      result: Any) -> None:
+    """Record in ``mode.pins`` the file (or snapshot, or revision) a nested hub call resolved,
+    or None for a file it found absent (``result`` is the exception); a model load's leader
+    publishes it at once (see :func:`_add_pins`)."""
+    if isinstance(result, BaseException):
+        pin = None
+    elif name == "resolve_revision":  # a str equal to the revision asked, holding the commit
+        pin = [str(getattr(result, "resolved", result))]
+    else:
+        pin = _pin_of(result) if isinstance(result, (str, os.PathLike)) else None
+    _add_pins(mode, {pin_key(name, args, kwargs): pin})
+
+
+def _add_pins(mode: Mode, pins: dict[str, Any]) -> None:
+    """Add ``pins`` to ``mode``'s. A model load's leader publishes them until it announces its
+    files (``used["files_ready"]``): its followers, which start at once, make each hub call
+    from the cache once the leader's returned (:meth:`Mode.wait_pin`); they make the calls
+    after that announcement (a generation config) once they have the leader's outcome."""
+    mode.pins.update(pins)
+    if mode.lead and mode.loads_model and pins and not mode.used.get("files_ready"):
+        _coordinate.publish_pins(mode.call, mode.pins)
 
 
 def _fingerprint(path: str) -> list[Any]:
@@ -298,18 +342,9 @@ class _Coordinated:
         return result, {**payload, "pins": mode.pins, "local": self.local}, after
 
     def follow(self, call: _coordinate.Call, role: _coordinate.Role,
-               payload: Callable[[], dict[str, Any]]) -> Any:
-        leader_failure: list[BaseException] = []
-
-        def leader_payload() -> dict[str, Any]:
-            try:
-                return payload()
-            except BaseException as err:
-                leader_failure.append(err)
-                raise
-
-        mode = Mode(lead=False, call=call, payload_of=leader_payload,
-                    loads_model=self.share is not None, cache_dir=self.kwargs.get("cache_dir"))
+               leader: _coordinate.LeaderView) -> Any:
+        mode = Mode(lead=False, call=call, leader=leader, loads_model=self.share is not None,
+                    cache_dir=self.kwargs.get("cache_dir"))
         rng = _rng_state()
         kwargs = _offline(self.kwargs) if self.offline_kwarg else self.kwargs
         try:
@@ -322,7 +357,15 @@ class _Coordinated:
             if self.settle is not None:
                 result = self.settle(result, mode)
         except BaseException as err:
-            if leader_failure or not isinstance(err, Exception) or not _leader_succeeded(mode):
+            if leader.raised is not None:
+                # As the view raised it: transformers turns an error inside a hub call into an
+                # OSError of its own.
+                raise leader.raised from None
+            if not isinstance(err, Exception):
+                raise
+            if not _leader_succeeded(mode):
+                if leader.failed_early():  # the leader's error, as on a rank that waited for it
+                    raise leader.raised from None
                 raise
             if self.abandon is not None:
                 self.abandon(mode)  # e.g. a broadcast this rank is a member of
@@ -335,7 +378,7 @@ class _Coordinated:
     def _check_local(self, mode: Mode) -> None:
         # A model load's leader announces them with its files: its followers check them then,
         # before their rerun, without waiting for its outcome.
-        announced = _coordinate.announcement(mode.call)
+        announced = mode.announcement()
         theirs = (announced if announced is not None else mode.payload).get("local", {})
         for path, fingerprint in self.local.items():
             if theirs.get(path) != fingerprint:
@@ -352,8 +395,8 @@ class _Coordinated:
             _IN_SNAPSHOT.reset(snapshot)
             _MODE.reset(token)
             if outer is not None:  # the enclosing call used what this one used
-                outer.pins.update(mode.pins)
-        if self.name in _HUB_DOWNLOADS:  # a hub download pins what it returned
+                _add_pins(outer, mode.pins)
+        if self.name in _PINNED:  # a hub call pins what it returned
             record_hub_result(mode, self.name, self.args, kwargs, result)
         return result
 
@@ -471,7 +514,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
 def _recorded(mode: Mode | None, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
               run: Callable[[], Any]) -> Any:
     """``run()``; inside a coordinated call, a hub download's file (or absence) is recorded."""
-    if mode is None or name not in _HUB_DOWNLOADS or _IN_SNAPSHOT.get():
+    if mode is None or name not in _PINNED or _IN_SNAPSHOT.get():
         return run()
     token = _IN_SNAPSHOT.set(name == "snapshot_download")
     try:
@@ -488,11 +531,15 @@ def _recorded(mode: Mode | None, name: str, args: tuple[Any, ...], kwargs: dict[
 def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:
     """A patched call nested in a follower's coordinated call: made offline (and a hub
-    download recorded, to be verified against the leader's). In a call whose weights this rank
-    loads alongside its leader (``used["alongside"]``), after the leader's outcome: the files
-    the leader resolves after loading (a generation config) are in the cache only then."""
+    download recorded, to be verified against the leader's), once the leader's same call
+    returned (a model load's followers start at once: :meth:`Mode.wait_pin`). In a call whose
+    weights this rank loads alongside its leader (``used["alongside"]``), after the leader's
+    outcome: the files the leader resolves after loading (a generation config) are in the cache
+    only then."""
     if mode.used.get("alongside"):
         mode.payload  # noqa: B018 - waits for the outcome; raises the leader's failure
+    elif name in _PINNED and not _IN_SNAPSHOT.get():
+        mode.wait_pin(pin_key(name, args, kwargs))
     return _recorded(mode, name, args, kwargs,
                      lambda: _as_asked(wrapped(*args, **_offline(kwargs)), kwargs))
 

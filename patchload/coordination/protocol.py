@@ -32,14 +32,13 @@ from .identity import kernel_id, node_id, process_alive
 from .key import digest
 from .store import JobStore, job_store
 
-__all__ = ["Call", "Role", "announcement", "call_key", "claim", "files_ready", "finish",
-           "leader_first", "leading", "node_leaders_call", "publish", "raise_failure",
-           "wait_outcome"]
+__all__ = ["Call", "LeaderView", "Role", "announcement", "call_key", "claim", "files_ready",
+           "finish", "leader_first", "leading", "node_leaders_call", "publish", "publish_pins",
+           "raise_failure", "wait_outcome"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
 
 
 @dataclass(frozen=True)
@@ -225,6 +224,16 @@ def files_ready(call: Call, announced: dict[str, Any] | None = None) -> None:
     beat(call)
 
 
+def publish_pins(call: Call, pins: dict[str, Any]) -> None:
+    """Leader: publish the pins of the hub calls its call made so far (JSON-able, see
+    :attr:`patchload.coordination.call.Mode.pins`), each time one returns, so that followers that
+    started at once make each of those calls from the cache as soon as it is there
+    (:meth:`LeaderView.wait_pin`). Not collective."""
+    with call.store.lock:
+        call.store.store.set(call.key + "pins", json.dumps(pins))
+    beat(call)
+
+
 def announcement(call: Call) -> dict[str, Any] | None:
     """Follower: what the leader announced with its files (:func:`files_ready`), or None (none
     announced, or not yet). Not collective; does not wait."""
@@ -234,17 +243,18 @@ def announcement(call: Call) -> dict[str, Any] | None:
         return json.loads(call.store.store.get(call.key + "files"))
 
 
-def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str, Any] | None:
+def wait_outcome(call: Call, role: Role, *,
+                 until: Callable[[], bool] | None = None) -> dict[str, Any] | None:
     """Wait for the leader's outcome of ``call``. Not collective; bounded.
 
     Args:
         call: a call this rank follows.
         role: the leader's role, from :func:`claim`.
-        or_files: also return (None) as soon as the leader announced its files
-            (:func:`files_ready`).
+        until: also return (None) as soon as this holds (asked with ``call.store.lock`` held,
+            each time the leader beats), e.g. the leader announced its files.
 
     Returns:
-        The outcome dict the leader published, or None (``or_files`` only).
+        The outcome dict the leader published, or None (``until`` only).
 
     Raises:
         LeaderFailedError: the leader's process is gone (same node), or its heartbeat stopped for
@@ -260,10 +270,10 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
         with store.lock:
             # Woken by a change: two requests. Else the counter before the outcome's second
             # check: a beat that comes after this read ends the wait below.
-            found, outcome = _outcome_or_files(call, or_files)
+            found, outcome = _outcome_or(call, until)
             if not found:
                 seen = read_beat(call)
-                found, outcome = _outcome_or_files(call, or_files)
+                found, outcome = _outcome_or(call, until)
             if found:
                 return outcome
         now = time.monotonic()
@@ -318,23 +328,24 @@ def wait_outcome(call: Call, role: Role, *, or_files: bool = False) -> dict[str,
 _ABSENT: Final = "\x00absent"  # never a published value (JSON has no NUL outside strings)
 
 
-def _published(call: Call) -> dict[str, Any] | None:
-    """The outcome the leader of ``call`` published, or None (the caller holds the lock).
+def _published(call: Call, name: str = "outcome") -> Any:
+    """What the leader of ``call`` published under ``name`` (its outcome), or None (the caller
+    holds the lock).
 
     One request: ``compare_set`` with an expected value no key holds writes nothing and returns
     the value, or the expected value when the key is absent."""
-    value = call.store.store.compare_set(call.key + "outcome", _ABSENT,
-                                         _ABSENT + "-never-written")
+    value = call.store.store.compare_set(call.key + name, _ABSENT, _ABSENT + "-never-written")
     return None if value == _ABSENT.encode() else json.loads(value)
 
 
-def _outcome_or_files(call: Call, or_files: bool) -> tuple[bool, dict[str, Any] | None]:
-    """(True, the published outcome), (True, None) if ``or_files`` and the leader announced its
-    files, else (False, None). The caller holds the lock."""
+def _outcome_or(call: Call, until: Callable[[], bool] | None
+                ) -> tuple[bool, dict[str, Any] | None]:
+    """(True, the published outcome), (True, None) if ``until()`` holds, else (False, None).
+    The caller holds the lock."""
     outcome = _published(call)
     if outcome is not None:
         return True, outcome
-    return or_files and _announced(call), None
+    return until is not None and until(), None
 
 
 def _announced(call: Call) -> bool:
@@ -361,6 +372,92 @@ def raise_failure(call: Call, role: Role, outcome: dict[str, Any]) -> None:
     raise follower_exception(error, rank=call.topology.rank, leader_rank=role.leader_rank,
                              note=f"{call.prefix(role.leader_rank)} failed on the leader; "
                                   "this is its error, raised again on this rank")
+
+
+class LeaderView:
+    """A follower's view of the leader of one attempt: its outcome, the announcement of its
+    files and the pins of its hub calls, each waited for as :func:`wait_outcome` waits (bounded
+    by ``PATCHLOAD_TIMEOUT``, watching the leader's liveness). Not collective.
+
+    ``idle`` (or None) runs once, before the first wait that blocks.
+
+    Attributes:
+        raised: the leader's failure (or its death, or the timeout) this view raised, if any.
+    """
+
+    def __init__(self, call: Call, role: Role, idle: Callable[[], None] | None = None) -> None:
+        self.call = call
+        self.role = role
+        self._idle = idle
+        self._outcome: dict[str, Any] | None = None
+        self.raised: BaseException | None = None
+
+    def payload(self) -> dict[str, Any]:
+        """The leader's success payload, once published.
+
+        Raises:
+            The leader's failure (:func:`raise_failure`), :class:`LeaderFailedError`,
+            :class:`PatchloadTimeout`.
+        """
+        try:
+            if self._outcome is None:
+                self._outcome = self._wait(None)
+            if not self._outcome.get("ok"):
+                raise_failure(self.call, self.role, self._outcome)
+        except BaseException as err:
+            self.raised = err
+            raise
+        return self._outcome.get("payload") or {}
+
+    def announcement(self) -> dict[str, Any] | None:
+        """What the leader announced with its files, once it did or published its outcome
+        (None: it never announced them). Raises as :meth:`wait_pin` with ``raising`` False."""
+        self.wait_pin(None, raising=False)
+        return announcement(self.call)
+
+    def wait_pin(self, key: str | None, *, raising: bool = True) -> None:
+        """Wait until the leader's call resolved the hub file ``key`` (its pin is published:
+        :func:`publish_pins`), announced its files, or published its outcome; with ``key``
+        None, one of the last two.
+
+        Raises:
+            The leader's failure where it failed before announcing its files (a follower that
+            waited for it raises the same: see :meth:`failed_early`), unless ``raising`` is
+            False; :class:`LeaderFailedError`, :class:`PatchloadTimeout`.
+        """
+        def ready() -> bool:
+            if key is not None and key in (_published(self.call, "pins") or {}):
+                return True
+            return _announced(self.call)
+
+        if self._outcome is None:
+            try:
+                self._outcome = self._wait(ready)
+            except BaseException as err:
+                self.raised = err
+                raise
+        if raising and self._outcome is not None and self.failed_early():
+            self.payload()
+
+    def failed_early(self) -> bool:
+        """Whether the leader published a failure before announcing its files (does not wait):
+        a follower that started at once then ends with the leader's error, whatever its own
+        part did, as if it had waited for the leader before starting."""
+        if self._outcome is None:
+            with self.call.store.lock:
+                self._outcome = _published(self.call)
+        return (self._outcome is not None and not self._outcome.get("ok")
+                and not _announced(self.call))
+
+    def _wait(self, until: Callable[[], bool] | None) -> dict[str, Any] | None:
+        if self._idle is not None:
+            with self.call.store.lock:
+                found, outcome = _outcome_or(self.call, until)
+            if found:
+                return outcome
+            idle, self._idle = self._idle, None
+            idle()
+        return wait_outcome(self.call, self.role, until=until)
 
 
 @contextlib.contextmanager
@@ -419,7 +516,7 @@ def _delete_keys(call: Call) -> None:
     while store.check([f"{call.base}a{attempt}/leader"]):
         key = f"{call.base}a{attempt}/"
         beats = int(store.add(key + "beat", 0))
-        names = ["leader", "outcome", "files", "beat", "arrivals", "arrivals/all"]
+        names = ["leader", "outcome", "files", "pins", "beat", "arrivals", "arrivals/all"]
         names += [f"beat/{n}" for n in range(max(1, beats - 3), beats + 2)]
         names += [f"{what}/{r}" for r in ranks for what in ("arrived", "done")]
         for name in names:
@@ -430,7 +527,7 @@ def _delete_keys(call: Call) -> None:
 
 def leader_first(call: Call,
                  lead: Callable[[Call], tuple[T, dict[str, Any], Callable[[], None] | None]],
-                 follow: Callable[[Call, Role, Callable[[], dict[str, Any]]], T], *,
+                 follow: Callable[[Call, Role, LeaderView], T], *,
                  early: bool = False, idle: Callable[[], None] | None = None) -> T:
     """Run ``lead`` on the call's leader and ``follow`` on every other rank of its scope.
 
@@ -439,17 +536,17 @@ def leader_first(call: Call,
 
     Args:
         call: the call, from :func:`call_key`.
-        lead: run by the leader with the attempt it leads; returns (result, payload, after). The payload (JSON-able) is
-            published with the success outcome; ``after`` (or None) runs once it is published
+        lead: run by the leader with the attempt it leads; returns (result, payload, after).
+            The payload (JSON-able) is published with the success outcome; ``after`` (or None) runs once it is published
             (e.g. a broadcast the followers join after reading the payload). An exception from
             ``after`` is logged, not raised: the leader's own result is already good.
-        follow: run by a follower with the attempt, the leader's role and a function returning
-            the leader's payload: once the leader succeeded, or, with ``early``, once the leader
-            announced its files, even if it has failed since (the function then waits for the
-            outcome, and raises the leader's failure).
-        early: let followers start once the leader's files are in the cache.
-        idle: run by a follower before it waits: work its own part does anyway, done while the
-            leader downloads (an exception from it is raised).
+        follow: run by a follower with the attempt, the leader's role and its
+            :class:`LeaderView`: once the leader succeeded, or, with ``early``, at once.
+        early: let followers start at once: their part waits for the leader where it needs it
+            (:meth:`LeaderView.wait_pin`, :meth:`LeaderView.payload`), and decides how a failed
+            leader ends it (see :meth:`LeaderView.failed_early`).
+        idle: run by a follower before it first blocks on the leader: work its own part does
+            anyway, done while the leader downloads (an exception from it is raised).
 
     Returns:
         What ``lead`` or ``follow`` returned on this rank.
@@ -480,25 +577,11 @@ def leader_first(call: Call,
                              json.dumps({"pid": os.getpid(), "node": node_id()}))
         if call.store.store.add(call.key + "arrivals", 1) >= call.scope_size() - 1:
             call.store.store.set(call.key + "arrivals/all", "")  # wakes a leader waiting on all
+    leader = LeaderView(call, role, idle)
     try:
-        if idle is not None:
-            idle()
-        outcome = wait_outcome(call, role, or_files=early)
-
-        def payload() -> dict[str, Any]:
-            nonlocal outcome
-            if outcome is None:
-                outcome = wait_outcome(call, role)
-            if not outcome.get("ok"):
-                raise_failure(call, role, outcome)
-            return outcome.get("payload") or {}
-
-        if outcome is not None and not outcome.get("ok") and not (early and _announced(call)):
-            payload()  # the leader failed before its files were in the cache: raise now
-        # Once they were, a follower runs its own part of the call, as plain does (raising its
-        # own error where that fails too), whether or not the leader had failed by the time it
-        # looked: the error it ends with does not depend on timing.
-        return follow(call, role, payload)
+        if not early:
+            leader.payload()  # waits for the outcome; raises the leader's failure
+        return follow(call, role, leader)
     finally:
         with call.store.lock:
             call.store.store.set(call.key + f"done/{call.topology.rank}", "1")
