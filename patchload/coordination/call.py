@@ -35,7 +35,7 @@ from typing import Any, Callable, Final, Iterator
 from .. import _state
 from .._topology import current_topology
 from . import protocol as _coordinate
-from .key import Unrenderable, deciding_arguments, process_state
+from .key import Unrenderable, deciding_arguments, digest, process_state
 from .scope import download_scope
 from .store import job_store
 
@@ -162,14 +162,19 @@ def _pin_of(path: str) -> list[Any] | None:
 
 def pin_key(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """The key under which a hub call's result is pinned (one of :data:`_PINNED`):
-    ``<type>:<repo>:<path>`` (``*`` for a snapshot), ``<type>:<repo>:@<revision>`` for a
-    revision resolved."""
+    ``<type>:<repo>:<path>`` (``*`` for a snapshot, ``*<digest>`` for one of some files),
+    ``<type>:<repo>:@<revision>`` for a revision resolved."""
     repo = kwargs.get("repo_id", args[0] if args else None)
     repo_type = kwargs.get("repo_type") or "model"
     if name == "resolve_revision":
         return f"{repo_type}:{repo}:@{kwargs.get('revision') or ''}"
-    filename = kwargs.get("filename", args[1] if len(args) > 1 else None) \
-        if name == "hf_hub_download" else "*"
+    if name == "hf_hub_download":
+        filename = kwargs.get("filename", args[1] if len(args) > 1 else None)
+    else:  # a snapshot, of the files its patterns select (transformers: a sharded checkpoint's)
+        patterns = {"allow": repr(kwargs.get("allow_patterns")),
+                    "ignore": repr(kwargs.get("ignore_patterns"))}
+        filename = "*" if patterns == {"allow": "None", "ignore": "None"} \
+            else "*" + digest("snapshot", patterns)[:12]
     subfolder = kwargs.get("subfolder") or ""
     return f"{repo_type}:{repo}:{subfolder + '/' if subfolder else ''}{filename}"
 
