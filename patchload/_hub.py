@@ -135,6 +135,9 @@ def hub_patches() -> list[Patch]:
         # inside a node leader of a job-scoped download it must be coordinated like the files.
         Patch("huggingface_hub.hf_api", "HfApi.resolve_revision",
               _hub_function("resolve_revision")),
+        # The same, bound to hf_api's module-level HfApi at import, imported by name (diffusers).
+        Patch("huggingface_hub.hf_api", "resolve_revision", _hub_function("resolve_revision"),
+              rebind_aliases=True),
         # A bound method of hf_api's module-level HfApi, imported by name (peft).
         Patch("huggingface_hub.hf_api", "file_exists", _file_exists, rebind_aliases=True),
     ]
