@@ -8,8 +8,8 @@ ModuleNotFoundError, SyntaxError).
 
 ``transformers.dynamic_module_utils.get_cached_module_file`` is therefore coordinated per node:
 the node's leader fetches the file and writes the module files; the other ranks wait for its
-outcome (a model load's followers, which start at once: for the leader's module file, before
-they take the lock below), then run the call from the cache, find the files complete and forget
+outcome (a model load's followers, which start at once: for the leader's module, before they
+take the lock below), then run the call from the cache, find the files complete and forget
 the import system's cached directory listings before importing them. Every rank also holds a
 file lock in the modules cache while transformers writes there: it covers the calls made inside
 another coordinated call whose leader sits on another node (``PATCHLOAD_DOWNLOAD_SCOPE=job``),
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import _state
-from .coordination.call import coordinated, current_mode, pin_key
+from .coordination.call import add_pins, coordinated, current_mode, without_waiting
 from ._patching import Patch
 
 __all__ = ["dynamic_module_patches"]
@@ -51,14 +51,19 @@ def _get_cached_module_file(wrapped: Callable[..., Any], instance: Any, args: tu
     @functools.wraps(wrapped)
     def locked(*args: Any, **kwargs: Any) -> Any:
         mode = current_mode()
-        if mode is not None:
-            # A follower that started at once (a model load) waits for the leader's module file
-            # before it takes the lock: the leader takes it to write that file, and this rank's
-            # call, inside the lock, would wait for it.
-            mode.wait_pin(pin_key("hf_hub_download", (repo, module_file),
-                                  {"repo_type": kwargs.get("repo_type")}))
-        with _modules_lock():
-            path = wrapped(*args, **kwargs)
+        key = f"module:{repo}:{module_file}"
+        if mode is not None and not mode.lead:
+            # A model load's follower (it starts at once) waits for the leader's module before
+            # it takes the lock, and waits for nothing inside: the leader takes the lock for
+            # each module it writes.
+            mode.wait_pin(key)
+            with without_waiting(), _modules_lock():
+                path = wrapped(*args, **kwargs)
+        else:
+            with _modules_lock():
+                path = wrapped(*args, **kwargs)
+            if mode is not None:  # written: followers may take the lock for it
+                add_pins(mode, {key: [str(path)]})
         # transformers forgets the import system's directory listings only when this process
         # wrote a file; another process's new module files would stay invisible wherever
         # directory mtimes are coarse (ModuleNotFoundError).

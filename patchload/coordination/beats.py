@@ -26,12 +26,14 @@ from .identity import node_id, process_alive
 if TYPE_CHECKING:
     from .protocol import Call, Role
 
-__all__ = ["JOIN_AT_EXIT_S", "Heartbeat", "LeaderWatch", "beat", "read_beat", "wait_beat"]
+__all__ = ["JOIN_AT_EXIT_S", "KEEP_BEAT_KEYS", "Heartbeat", "LeaderWatch", "beat", "read_beat",
+           "wait_beat"]
 
 logger = logging.getLogger(__name__)
 
-# Beat keys kept: a follower slow between reading the counter and waiting still finds its key.
-_KEEP_BEAT_KEYS: Final = 3
+# Beat keys kept: a follower slow between reading the counter and waiting still finds its key,
+# even after a burst of beats (a model load's leader beats for each hub call it pins).
+KEEP_BEAT_KEYS: Final = 32
 # Seconds the exit waits for each of patchload's background threads to leave its store request:
 # a daemon thread still inside one when the interpreter finalizes aborts the whole process
 # ("terminate called without an active exception").
@@ -45,8 +47,8 @@ def beat(call: Call) -> None:
     with store.lock:
         n = store.store.add(call.key + "beat", 1)
         store.store.set(call.key + f"beat/{n}", "")
-        if n > _KEEP_BEAT_KEYS:
-            store.store.delete_key(call.key + f"beat/{n - _KEEP_BEAT_KEYS}")
+        if n > KEEP_BEAT_KEYS:
+            store.store.delete_key(call.key + f"beat/{n - KEEP_BEAT_KEYS}")
 
 
 def read_beat(call: Call) -> int:

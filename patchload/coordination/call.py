@@ -39,8 +39,9 @@ from .key import Unrenderable, deciding_arguments, digest, process_state
 from .scope import download_scope
 from .store import job_store
 
-__all__ = ["Mode", "VerificationFailed", "context_patches", "current_mode", "coordinated",
-           "pin_key", "plain", "record_hub_result", "verify_so_far"]
+__all__ = ["Mode", "VerificationFailed", "add_pins", "context_patches", "current_mode",
+           "coordinated", "pin_key", "plain", "record_hub_result", "verify_so_far",
+           "without_waiting"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,8 @@ class Mode:
     def wait_pin(self, key: str | None) -> None:
         """Follower: wait until its leader resolved the hub file ``key`` (or announced its
         files, or finished): see :meth:`patchload.coordination.protocol.LeaderView.wait_pin`.
-        Returns at once on the leader."""
-        if self.leader is not None:
+        Returns at once on the leader and inside :func:`without_waiting`."""
+        if self.leader is not None and not _NO_WAIT.get():
             self.leader.wait_pin(key)
 
     def announcement(self) -> dict[str, Any] | None:
@@ -105,6 +106,9 @@ class Mode:
 _MODE: contextvars.ContextVar[Mode | None] = contextvars.ContextVar("patchload_mode", default=None)
 # True inside a plain call: every patched function inside runs as if unpatched.
 _PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("patchload_plain", default=False)
+# True inside a follower's block that must not wait for its leader (it holds a lock the leader
+# takes): its hub calls are made offline at once.
+_NO_WAIT: contextvars.ContextVar[bool] = contextvars.ContextVar("patchload_no_wait", default=False)
 # True inside a snapshot download: its files are pinned by the snapshot's commit (offline, a
 # follower's snapshot_download resolves the folder without a call per file).
 _IN_SNAPSHOT: contextvars.ContextVar[bool] = contextvars.ContextVar("patchload_in_snapshot",
@@ -125,6 +129,18 @@ def plain() -> Iterator[None]:
         yield
     finally:
         _PLAIN.reset(token)
+
+
+@contextlib.contextmanager
+def without_waiting() -> Iterator[None]:
+    """Follower: nothing inside the block waits for the leader's pins (:meth:`Mode.wait_pin`;
+    a block holding a lock the leader takes, entered once the leader is done with what it
+    covers): its hub calls are made offline at once."""
+    token = _NO_WAIT.set(True)
+    try:
+        yield
+    finally:
+        _NO_WAIT.reset(token)
 
 
 def _carry_context(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
@@ -190,17 +206,21 @@ def record_hub_result(mode: Mode, name: str, args: tuple[Any, ...], kwargs: dict
         pin = [str(getattr(result, "resolved", result))]
     else:
         pin = _pin_of(result) if isinstance(result, (str, os.PathLike)) else None
-    _add_pins(mode, {pin_key(name, args, kwargs): pin})
+    add_pins(mode, {pin_key(name, args, kwargs): pin})
 
 
-def _add_pins(mode: Mode, pins: dict[str, Any]) -> None:
-    """Add ``pins`` to ``mode``'s. A model load's leader publishes them until it announces its
-    files (``used["files_ready"]``): its followers, which start at once, make each hub call
-    from the cache once the leader's returned (:meth:`Mode.wait_pin`); they make the calls
-    after that announcement (a generation config) once they have the leader's outcome."""
+def add_pins(mode: Mode, pins: dict[str, Any]) -> None:
+    """Add ``pins`` to ``mode``'s. A model load's leader publishes them at once: its followers,
+    which start at once, make each hub call from the cache once the leader's same call returned
+    (:meth:`Mode.wait_pin`). A store failure only costs its followers that head start (they wait
+    for its outcome instead); it never fails the leader's call."""
     mode.pins.update(pins)
-    if mode.lead and mode.loads_model and pins and not mode.used.get("files_ready"):
-        _coordinate.publish_pins(mode.call, mode.pins)
+    if mode.lead and mode.loads_model and pins:
+        try:
+            _coordinate.publish_pins(mode.call, mode.pins)
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            logger.warning("%s: publishing what the leader's hub calls resolved failed (%s): "
+                           "followers wait for its outcome", mode.call.prefix(), err)
 
 
 def _fingerprint(path: str) -> list[Any]:
@@ -400,7 +420,7 @@ class _Coordinated:
             _IN_SNAPSHOT.reset(snapshot)
             _MODE.reset(token)
             if outer is not None:  # the enclosing call used what this one used
-                _add_pins(outer, mode.pins)
+                add_pins(outer, mode.pins)
         if self.name in _PINNED:  # a hub call pins what it returned
             record_hub_result(mode, self.name, self.args, kwargs, result)
         return result

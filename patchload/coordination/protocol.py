@@ -27,7 +27,7 @@ from typing import Any, Callable, Final, Iterator, TypeVar
 from .._config import Config
 from .._errors import LeaderFailedError, PatchloadTimeout, describe_exception, follower_exception
 from .._topology import Topology
-from .beats import Heartbeat, LeaderWatch, beat, read_beat, wait_beat
+from .beats import KEEP_BEAT_KEYS, Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
 from .key import digest
 from .store import JobStore, job_store
@@ -417,8 +417,8 @@ class LeaderView:
 
     def wait_pin(self, key: str | None, *, raising: bool = True) -> None:
         """Wait until the leader's call resolved the hub file ``key`` (its pin is published:
-        :func:`publish_pins`), announced its files, or published its outcome; with ``key``
-        None, one of the last two.
+        :func:`publish_pins`) or published its outcome; with ``key`` None, until it announced
+        its files or published its outcome.
 
         Raises:
             The leader's failure where it failed before announcing its files (a follower that
@@ -426,9 +426,9 @@ class LeaderView:
             False; :class:`LeaderFailedError`, :class:`PatchloadTimeout`.
         """
         def ready() -> bool:
-            if key is not None and key in (_published(self.call, "pins") or {}):
-                return True
-            return _announced(self.call)
+            if key is None:
+                return _announced(self.call)
+            return key in (_published(self.call, "pins") or {})
 
         if self._outcome is None:
             try:
@@ -517,7 +517,7 @@ def _delete_keys(call: Call) -> None:
         key = f"{call.base}a{attempt}/"
         beats = int(store.add(key + "beat", 0))
         names = ["leader", "outcome", "files", "pins", "beat", "arrivals", "arrivals/all"]
-        names += [f"beat/{n}" for n in range(max(1, beats - 3), beats + 2)]
+        names += [f"beat/{n}" for n in range(max(1, beats - KEEP_BEAT_KEYS), beats + 2)]
         names += [f"{what}/{r}" for r in ranks for what in ("arrived", "done")]
         for name in names:
             store.delete_key(key + name)
