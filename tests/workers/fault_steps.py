@@ -327,7 +327,19 @@ def _resources() -> dict[str, int]:
         with contextlib.suppress(OSError):  # the listing's own fd is gone by now
             links.append(os.readlink(f"/proc/self/fd/{fd}"))
     return {"fds": len(links), "threads": proc.num_threads(), "rss": proc.memory_info().rss,
-            "memfds": sum(link.startswith("/memfd:patchload") for link in links)}
+            "memfds": sum(link.startswith("/memfd:patchload") for link in links),
+            "python_threads": sorted(t.name for t in threading.enumerate())}
+
+
+def _settle_threads(timeout_s: float = 5.0) -> None:
+    """Wait (bounded) for patchload's background threads to end, as each does on its own once
+    it has nothing to watch (the heartbeat, the leader's blob watcher, the leader watch, within
+    their polling periods): a thread that never ends is still counted."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+            t.name in ("patchload-heartbeat", "patchload-shares", "patchload-leader-watch")
+            for t in threading.enumerate()):
+        time.sleep(0.05)
 
 
 def _threads(step: dict[str, Any], repos: dict[str, str], record: dict[str, Any]) -> None:
@@ -360,6 +372,8 @@ def _loop(step: dict[str, Any], repos: dict[str, str], record: dict[str, Any]) -
         model = AutoModelForCausalLM.from_pretrained(step["repo"], **kwargs)
         checks.append(check_weights(model, repos[step["repo"]]))
         del model
+        if i == int(step["loops"]) - 1:  # the last sample: what the loads left behind
+            _settle_threads()
         samples.append(_resources())
     record["samples"] = samples
     record["mismatched"] = sum(len(c["mismatched"]) for c in checks)
