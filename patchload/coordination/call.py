@@ -40,7 +40,7 @@ from .scope import download_scope
 from .store import job_store
 
 __all__ = ["Mode", "VerificationFailed", "add_pins", "context_patches", "current_mode",
-           "coordinated", "pin_key", "plain", "record_hub_result", "verify_so_far",
+           "coordinated", "plain", "record_hub_result", "verify_so_far",
            "without_waiting"]
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Mode:
         used: per-call scratch space for nested wrappers (weights received, headers read).
         pins: the hub files this rank's call resolved: ``{"<type>:<repo>:<path>": [commit,
             blob, size]}``, or ``None`` for a file found absent; ``{"<type>:<repo>:@<revision>":
-            [commit]}`` for a revision it resolved (:func:`pin_key`).
+            [commit]}`` for a revision it resolved (:func:`_pin_key`).
         leader: followers: their view of the leader (its outcome, announcement and pins).
         cache_dir: the call's ``cache_dir`` argument (None: the default hub cache), where a
             follower answers cache lookups that take no ``cache_dir`` (``file_exists``).
@@ -176,7 +176,7 @@ def _pin_of(path: str) -> list[Any] | None:
         return None
 
 
-def pin_key(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+def _pin_key(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """The key under which a hub call's result is pinned (one of :data:`_PINNED`):
     ``<type>:<repo>:<path>`` (``*`` for a snapshot, ``*<digest>`` for one of some files),
     ``<type>:<repo>:@<revision>`` for a revision resolved."""
@@ -206,7 +206,7 @@ def record_hub_result(mode: Mode, name: str, args: tuple[Any, ...], kwargs: dict
         pin = [str(getattr(result, "resolved", result))]
     else:
         pin = _pin_of(result) if isinstance(result, (str, os.PathLike)) else None
-    add_pins(mode, {pin_key(name, args, kwargs): pin})
+    add_pins(mode, {_pin_key(name, args, kwargs): pin})
 
 
 def add_pins(mode: Mode, pins: dict[str, Any]) -> None:
@@ -564,7 +564,7 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
     if mode.used.get("alongside"):
         mode.payload  # noqa: B018 - waits for the outcome; raises the leader's failure
     elif name in _PINNED and not _IN_SNAPSHOT.get():
-        mode.wait_pin(pin_key(name, args, kwargs))
+        mode.wait_pin(_pin_key(name, args, kwargs))
     return _recorded(mode, name, args, kwargs,
                      lambda: _as_asked(wrapped(*args, **_offline(kwargs)), kwargs))
 
