@@ -188,7 +188,7 @@ def test_follower_exception_of_unknown_class_is_leader_failed():
     assert type(exc) is LeaderFailedError and "p: m" in str(exc) and "not.imported.Boom" in str(exc)
 
 
-def _two_rank_calls(name: str):
+def _two_rank_calls(name: str, config: Config | None = None):
     """A store server and a function giving rank 0's or 1's view of one job-scoped call."""
     import threading
     from datetime import timedelta
@@ -205,7 +205,7 @@ def _two_rank_calls(name: str):
         client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
                                timeout=timedelta(seconds=30))
         return protocol.Call(f"t/{name}/", "load()", "job",
-                             Topology(rank, 2, rank, 2, 0, "torchrun"), Config(),
+                             Topology(rank, 2, rank, 2, 0, "torchrun"), config or Config(),
                              JobStore(client, "agent", threading.RLock()))
 
     return server, call_of
@@ -322,6 +322,56 @@ def test_a_follower_that_starts_at_once_waits_only_for_the_leaders_same_hub_call
     else:
         assert seen["leader"] == "the weights' download failed", seen
         assert seen["follower"] == "OSError: the weights' download failed", seen
+
+
+@pytest.mark.timeout(60)
+def test_patchload_timeout_bounds_all_of_a_followers_waits_and_a_swallowed_one_stays_raised():
+    """PATCHLOAD_TIMEOUT bounds a follower's waits for one leader together (a model load waits
+    for several pins, then the outcome), not each of them; and once a wait timed out, a caller
+    that swallowed the error (transformers falls back on the cache when a hub call raises) gets
+    the same error at once from its next wait instead of a fresh timeout."""
+    import threading
+    import time
+
+    from patchload import PatchloadTimeout
+    from patchload.coordination import protocol
+
+    server, call_of = _two_rank_calls("timeout-total", Config(timeout_s=2.0))
+    release = threading.Event()
+    seen: dict[str, object] = {}
+
+    def lead(call: protocol.Call):
+        time.sleep(1.4)
+        protocol.publish_pins(call, {"a": ["c0"]})
+        release.wait(30)  # alive and beating, but publishes nothing more
+        return "model", {}, None
+
+    def follow(call, role, view):
+        start = time.monotonic()
+        view.wait_pin("a")
+        seen["first"] = time.monotonic() - start
+        for name, wait in (("pin", lambda: view.wait_pin("b")), ("payload", view.payload)):
+            begun = time.monotonic()
+            try:
+                wait()
+            except PatchloadTimeout as err:
+                seen[name] = (time.monotonic() - begun, err)
+        release.set()
+        return None
+
+    leader = threading.Thread(target=protocol.leader_first, args=(call_of(0), lead, None),
+                              kwargs={"early": True})
+    leader.start()
+    protocol.leader_first(call_of(1), None, follow, early=True)
+    release.set()
+    leader.join(30)
+    assert 1.0 < seen["first"] < 2.0, seen
+    waited, error = seen["pin"]
+    # The rest of the 2 s from the first wait (about 0.6 s), not another 2 s.
+    assert waited < 1.5, seen
+    assert "PATCHLOAD_TIMEOUT" in str(error)
+    waited_again, again = seen["payload"]
+    assert again is error and waited_again < 0.2, seen
 
 
 _PATCHED_NAMES = """

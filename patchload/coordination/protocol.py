@@ -244,7 +244,8 @@ def announcement(call: Call) -> dict[str, Any] | None:
 
 
 def wait_outcome(call: Call, role: Role, *,
-                 until: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+                 until: Callable[[], bool] | None = None,
+                 since: float | None = None) -> dict[str, Any] | None:
     """Wait for the leader's outcome of ``call``. Not collective; bounded.
 
     Args:
@@ -252,6 +253,8 @@ def wait_outcome(call: Call, role: Role, *,
         role: the leader's role, from :func:`claim`.
         until: also return (None) as soon as this holds (asked with ``call.store.lock`` held,
             each time the leader beats), e.g. the leader announced its files.
+        since: when this rank began waiting for this leader (``time.monotonic()``), where this
+            wait continues earlier ones: ``PATCHLOAD_TIMEOUT`` bounds them all together.
 
     Returns:
         The outcome dict the leader published, or None (``until`` only).
@@ -262,7 +265,8 @@ def wait_outcome(call: Call, role: Role, *,
         PatchloadTimeout: no outcome within ``PATCHLOAD_TIMEOUT`` seconds.
     """
     cfg, store = call.config, call.store
-    start = last_beat_at = last_progress = time.monotonic()
+    last_beat_at = last_progress = time.monotonic()
+    start = last_beat_at if since is None else since
     last_present = _bytes_under(call.watch)
     last_beat = None
     silent_s = 2 * cfg.heartbeat_s + 1.0
@@ -379,7 +383,11 @@ class LeaderView:
     files and the pins of its hub calls, each waited for as :func:`wait_outcome` waits (bounded
     by ``PATCHLOAD_TIMEOUT``, watching the leader's liveness). Not collective.
 
-    ``idle`` (or None) runs once, before the first wait that blocks.
+    ``idle`` (or None) runs once, before the first wait that blocks. ``PATCHLOAD_TIMEOUT``
+    bounds all of a view's waits together, from its first blocking one; once one of them ended
+    without an outcome (the leader died or went silent, or the timeout passed), every later one
+    raises that same error at once: a caller that went on after it (transformers falls back on
+    the cache when a hub call raises) never waits for that leader again.
 
     Attributes:
         raised: the leader's failure (or its death, or the timeout) this view raised, if any.
@@ -390,6 +398,8 @@ class LeaderView:
         self.role = role
         self._idle = idle
         self._outcome: dict[str, Any] | None = None
+        self._since: float | None = None
+        self._gone: LeaderFailedError | PatchloadTimeout | None = None
         self.raised: BaseException | None = None
 
     def payload(self) -> dict[str, Any]:
@@ -450,6 +460,8 @@ class LeaderView:
                 and not _announced(self.call))
 
     def _wait(self, until: Callable[[], bool] | None) -> dict[str, Any] | None:
+        if self._gone is not None:
+            raise self._gone
         if self._idle is not None:
             with self.call.store.lock:
                 found, outcome = _outcome_or(self.call, until)
@@ -457,7 +469,13 @@ class LeaderView:
                 return outcome
             idle, self._idle = self._idle, None
             idle()
-        return wait_outcome(self.call, self.role, until=until)
+        if self._since is None:
+            self._since = time.monotonic()
+        try:
+            return wait_outcome(self.call, self.role, until=until, since=self._since)
+        except (LeaderFailedError, PatchloadTimeout) as err:
+            self._gone = err
+            raise
 
 
 @contextlib.contextmanager
