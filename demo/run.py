@@ -73,6 +73,10 @@ def one_run(label: str, script: str, args: list[str], *, on: bool, hub: Any, out
     ready = [results.get(r, {}).get("loaded_at") or measure.model_ready_at(figures.get(r, {}))
              for r in range(nproc)]
     all_ready = max(ready) if all(ready) else None
+    # The first weight loaded on any rank (transformers 5): what the node held above the baseline
+    # until then is the job's own (imports, tokenizer, download), not weights.
+    started = [f["weights_started_at"] for f in figures.values() if f.get("weights_started_at")]
+    first_weight = min(started) if started else None
     requests = {r: 0 for r in range(nproc)}
     downloaded = 0
     for req in hub.requests():
@@ -87,6 +91,7 @@ def one_run(label: str, script: str, args: list[str], *, on: bool, hub: Any, out
         "ready_s": (all_ready - run.launched_at) if all_ready else None,
         "ready_after_join_s": (all_ready - max(joined)) if all_ready and all(joined) else None,
         "load_peak": (sampler.peak(run.launched_at, all_ready) - baseline) if all_ready else None,
+        "before_weights": (sampler.at(first_weight) - baseline) if first_weight else None,
         "run_peak": sampler.peak(run.launched_at, run.ended_at) - baseline,
         "imports": baseline - run.baseline_bytes, "baseline_kind": baseline_kind,
         "log": base / "output.log",
@@ -144,6 +149,8 @@ def compare(plain: dict[str, Any], patched: dict[str, Any], nproc: int,
             "-" if s["ready_after_join_s"] is None else f"{s['ready_after_join_s']:.1f} s",
             "?" if s["load_peak"] is None else
             f"{measure.gib(s['load_peak'])} ({s['load_peak'] / model_bytes:.1f}x)",
+            "?" if s["before_weights"] is None else
+            f"{measure.gib(s['before_weights'])} ({s['before_weights'] / model_bytes:.1f}x)",
             f"{measure.gib(s['run_peak'])}",
             f"{measure.gib(s['imports'])} ({s['baseline_kind']})",
             f"{s['wall_s']:.1f} s",
@@ -152,11 +159,13 @@ def compare(plain: dict[str, Any], patched: dict[str, Any], nproc: int,
     names = ["hub requests per rank", "bytes downloaded (all ranks)",
              "checkpoint tensor bytes read per rank", "time until every rank holds its model",
              "  of which after every rank joined the process group",
-             "peak node memory until then (x loaded model)", "peak node memory, whole run",
+             "peak node memory until then (x loaded model)",
+             "  of which held before the first weight was loaded",
+             "peak node memory, whole run",
              "baseline: memory of the started ranks",
              "wall time of the job"]
     ratio_of = [None, None, None, "ready_s", "ready_after_join_s", "load_peak",
-                "run_peak", None, "wall_s"]
+                "before_weights", "run_peak", None, "wall_s"]
     rows = [[n, a, b, _ratio(plain, patched, k)]
             for n, a, b, k in zip(names, fig(plain), fig(patched), ratio_of)]
     rows.append(["weights sha256 equal to plain, per rank", "-",
@@ -174,7 +183,8 @@ def _ratio(plain: dict[str, Any], patched: dict[str, Any], key: str | None) -> s
     return f"{patched[key] / plain[key]:.2f}"
 
 
-_MEDIAN_KEYS = ("wall_s", "ready_s", "ready_after_join_s", "load_peak", "run_peak", "imports")
+_MEDIAN_KEYS = ("wall_s", "ready_s", "ready_after_join_s", "load_peak", "before_weights",
+                "run_peak", "imports")
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -246,7 +256,10 @@ def main() -> int:
           "when the last rank's init_process_group returned (every rank has imported torch and "
           "transformers and joined; 'joined'), or just before torchrun started ('pre-launch') "
           "for scripts without a process group. The baseline row shows that value minus the "
-          "pre-launch one.")
+          "pre-launch one. 'Held before the first weight was loaded' is the node's memory above "
+          "the baseline when the first rank entered transformers' weight-loading step: the "
+          "job's own (imports after the join, tokenizer, download), which the rest of the peak "
+          "comes on top of.")
     print("Time: from torchrun's start (and from the last rank's init_process_group) until the "
           "last rank's from_pretrained returned (the example's loaded_at). The whole-run peak "
           "includes DDP and the SGD step, which write every parameter: with patchload each rank "

@@ -9,6 +9,9 @@ Active only when ``PATCHLOAD_MEASURE_DIR`` is set. Then, in every process launch
   ``get_slice(...)[...]``: the checkpoint bytes this rank read;
 * ``PreTrainedModel.from_pretrained`` is wrapped (wrapt) to record when the outermost call
   entered and returned, in ``time.time()`` seconds;
+* transformers 5's weight-loading step (``convert_and_load_state_dict_in_model``, as
+  ``modeling_utils`` calls it) is wrapped to record when this rank first entered it
+  (``weights_started_at``): the node's memory then is what the job held before any weight;
 * ``torch.distributed.init_process_group`` is wrapped to record when it returned
   (``process_group_ready_at``): by then every rank has imported its libraries and joined;
 * at exit, ``$PATCHLOAD_MEASURE_DIR/rank-$RANK.json`` holds all of the above.
@@ -94,8 +97,14 @@ def _install() -> None:
                     {"class": owner.__name__, "entered_at": entered, "returned_at": time.time()})
                 _write()
 
+    def _weights(wrapped, instance, args, kwargs):
+        stats.setdefault("weights_started_at", time.time())
+        return wrapped(*args, **kwargs)
+
     def _hook(module):
         wrapt.wrap_function_wrapper(module, "PreTrainedModel.from_pretrained", _timed)
+        if hasattr(module, "convert_and_load_state_dict_in_model"):  # transformers 5
+            wrapt.wrap_function_wrapper(module, "convert_and_load_state_dict_in_model", _weights)
 
     wrapt.register_post_import_hook(_hook, "transformers.modeling_utils")
 
