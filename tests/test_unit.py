@@ -329,7 +329,8 @@ def test_patchload_timeout_bounds_all_of_a_followers_waits_and_a_swallowed_one_s
     """PATCHLOAD_TIMEOUT bounds a follower's waits for one leader together (a model load waits
     for several pins, then the outcome), not each of them; and once a wait timed out, a caller
     that swallowed the error (transformers falls back on the cache when a hub call raises) gets
-    the same error at once from its next wait instead of a fresh timeout."""
+    the same error at once from its next wait instead of a fresh timeout, unless the leader's
+    outcome is published by then."""
     import threading
     import time
 
@@ -344,7 +345,7 @@ def test_patchload_timeout_bounds_all_of_a_followers_waits_and_a_swallowed_one_s
         time.sleep(1.4)
         protocol.publish_pins(call, {"a": ["c0"]})
         release.wait(30)  # alive and beating, but publishes nothing more
-        return "model", {}, None
+        return "model", {"weights": None}, None
 
     def follow(call, role, view):
         start = time.monotonic()
@@ -357,6 +358,12 @@ def test_patchload_timeout_bounds_all_of_a_followers_waits_and_a_swallowed_one_s
             except PatchloadTimeout as err:
                 seen[name] = (time.monotonic() - begun, err)
         release.set()
+        for _ in range(200):  # the leader publishes its success now
+            with call.store.lock:
+                if protocol._published(call) is not None:
+                    break
+            time.sleep(0.05)
+        seen["later"] = view.payload()
         return None
 
     leader = threading.Thread(target=protocol.leader_first, args=(call_of(0), lead, None),
@@ -372,6 +379,7 @@ def test_patchload_timeout_bounds_all_of_a_followers_waits_and_a_swallowed_one_s
     assert "PATCHLOAD_TIMEOUT" in str(error)
     waited_again, again = seen["payload"]
     assert again is error and waited_again < 0.2, seen
+    assert seen["later"] == {"weights": None}, seen
 
 
 _PATCHED_NAMES = """

@@ -383,6 +383,9 @@ class _Coordinated:
                 result = self.settle(result, mode)
         except BaseException as err:
             if leader.raised is not None:
+                if self.abandon is not None and _leader_succeeded(mode):
+                    # It timed out, then the leader published: leave its broadcast.
+                    self.abandon(mode)
                 # As the view raised it: transformers turns an error inside a hub call into an
                 # OSError of its own.
                 raise leader.raised from None

@@ -253,8 +253,8 @@ def wait_outcome(call: Call, role: Role, *,
         role: the leader's role, from :func:`claim`.
         until: also return (None) as soon as this holds (asked with ``call.store.lock`` held,
             each time the leader beats), e.g. the leader announced its files.
-        since: when this rank began waiting for this leader (``time.monotonic()``), where this
-            wait continues earlier ones: ``PATCHLOAD_TIMEOUT`` bounds them all together.
+        since: where this wait continues earlier ones, ``time.monotonic()`` less the seconds
+            they waited: ``PATCHLOAD_TIMEOUT`` bounds them all together.
 
     Returns:
         The outcome dict the leader published, or None (``until`` only).
@@ -384,10 +384,11 @@ class LeaderView:
     by ``PATCHLOAD_TIMEOUT``, watching the leader's liveness). Not collective.
 
     ``idle`` (or None) runs once, before the first wait that blocks. ``PATCHLOAD_TIMEOUT``
-    bounds all of a view's waits together, from its first blocking one; once one of them ended
-    without an outcome (the leader died or went silent, or the timeout passed), every later one
-    raises that same error at once: a caller that went on after it (transformers falls back on
-    the cache when a hub call raises) never waits for that leader again.
+    bounds the time spent in all of a view's waits together. Once one of them ended without an
+    outcome (the leader died or went silent, or the timeout passed), every later one raises that
+    same error at once unless the outcome is published by then: a caller that went on after it
+    (transformers falls back on the cache when a hub call raises) never waits for that leader
+    again.
 
     Attributes:
         raised: the leader's failure (or its death, or the timeout) this view raised, if any.
@@ -398,7 +399,7 @@ class LeaderView:
         self.role = role
         self._idle = idle
         self._outcome: dict[str, Any] | None = None
-        self._since: float | None = None
+        self._waited = 0.0  # seconds spent blocked in this view's waits
         self._gone: LeaderFailedError | PatchloadTimeout | None = None
         self.raised: BaseException | None = None
 
@@ -460,22 +461,23 @@ class LeaderView:
                 and not _announced(self.call))
 
     def _wait(self, until: Callable[[], bool] | None) -> dict[str, Any] | None:
-        if self._gone is not None:
-            raise self._gone
-        if self._idle is not None:
+        if self._idle is not None or self._gone is not None:
             with self.call.store.lock:
                 found, outcome = _outcome_or(self.call, until)
             if found:
                 return outcome
+            if self._gone is not None:
+                raise self._gone
             idle, self._idle = self._idle, None
             idle()
-        if self._since is None:
-            self._since = time.monotonic()
+        begun = time.monotonic()
         try:
-            return wait_outcome(self.call, self.role, until=until, since=self._since)
+            return wait_outcome(self.call, self.role, until=until, since=begun - self._waited)
         except (LeaderFailedError, PatchloadTimeout) as err:
             self._gone = err
             raise
+        finally:
+            self._waited += time.monotonic() - begun
 
 
 @contextlib.contextmanager
