@@ -199,7 +199,7 @@ def calls_in_a_row(port: int, calls: int, ranks: int, config: Config) -> dict[st
                              Topology(rank, ranks, rank, ranks, 0, "torchrun"), config,
                              stores[rank])
         protocol.leader_first(call, lambda c: (i, {"i": i}, None),
-                              lambda c, role, payload: payload()["i"])
+                              lambda c, role, leader: leader.payload()["i"])
 
     def one_round(i: int) -> None:
         threads = [threading.Thread(target=run, args=(r, i)) for r in range(ranks)]

@@ -382,6 +382,49 @@ def test_patchload_timeout_bounds_all_of_a_followers_waits_and_a_swallowed_one_s
     assert seen["later"] == {"weights": None}, seen
 
 
+@pytest.mark.timeout(60)
+def test_a_heartbeat_under_way_when_the_call_ends_leaves_no_key(monkeypatch):
+    """The heartbeat thread beats a led call at once; one still under way when the call ended
+    and its last rank deleted its keys recreated two of them (the counter and its beat key), so
+    a long job's store grew. Slowed here to make that overlap certain."""
+    import dataclasses
+    import threading
+    import time
+
+    from patchload.coordination import beats, protocol
+
+    real_beat = beats.beat
+
+    def slow_beat(call):
+        if threading.current_thread().name == "patchload-heartbeat":
+            time.sleep(0.03)
+        real_beat(call)
+
+    monkeypatch.setattr(beats, "beat", slow_beat)
+    server, call_of = _two_rank_calls("beats-" + str(time.monotonic()))
+    observer = call_of(0).store.store
+
+    def one_call(i: int) -> None:
+        calls = [dataclasses.replace(call_of(r), key=f"{call_of(r).key}{i}/") for r in range(2)]
+        threads = [threading.Thread(target=protocol.leader_first, args=(
+            calls[0], lambda c: (i, {"i": i}, None), None)), threading.Thread(
+            target=protocol.leader_first, args=(calls[1], None,
+                                                lambda c, role, leader: leader.payload()))]
+        threads[1].start()
+        time.sleep(0.01)  # rank 1 follows: rank 0 leads (no claim grace between threads)
+        threads[0].start()
+        for t in threads:
+            t.join(20)
+
+    one_call(-1)
+    time.sleep(0.3)
+    before = observer.num_keys()
+    for i in range(10):
+        one_call(i)
+    time.sleep(0.3)  # the heartbeat thread ends once it leads nothing
+    assert observer.num_keys() == before
+
+
 _PATCHED_NAMES = """
 import json, huggingface_hub, huggingface_hub.file_download as fd, huggingface_hub._snapshot_download as sd
 import huggingface_hub.repocard as rc, transformers.utils.hub as th

@@ -75,6 +75,7 @@ class Heartbeat:
     def __init__(self) -> None:
         self._calls: dict[str, Call] = {}
         self._lock = threading.Lock()
+        self._beating = threading.Lock()  # held by the thread while it beats a call
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         atexit.register(self.stop)
@@ -90,7 +91,8 @@ class Heartbeat:
                 self._thread.start()
 
     def remove(self, call: Call) -> None:
-        with self._lock:
+        """Stop beating ``call``; waits for a beat under way (one store request)."""
+        with self._beating, self._lock:
             self._calls.pop(call.key, None)
 
     def stop(self) -> None:
@@ -125,10 +127,16 @@ class Heartbeat:
         for call in calls:
             if due.get(call.key, 0.0) <= now:
                 due[call.key] = now + call.config.heartbeat_s
-                try:
-                    beat(call)
-                except Exception as err:  # noqa: BLE001 - a store hiccup must not kill the beat
-                    logger.warning("heartbeat for %s failed: %s", call.key, err)
+                # Only while still led, and remove() waits for it: no beat comes after the
+                # call's keys were deleted (it would leave two behind).
+                with self._beating:
+                    with self._lock:
+                        if call.key not in self._calls:
+                            continue
+                    try:
+                        beat(call)
+                    except Exception as err:  # noqa: BLE001 - a store hiccup must not kill it
+                        logger.warning("heartbeat for %s failed: %s", call.key, err)
         return True
 
 
