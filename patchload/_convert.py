@@ -1,4 +1,5 @@
-"""A node leader's converting load writes each tensor straight into the blob it will share.
+"""How a coordinated load materialises checkpoint tensors: in the calling thread when they stay
+views of their files, straight into the blob to share when a node leader converts them.
 
 transformers 5 materialises every checkpoint tensor through ``core_model_loading.
 spawn_materialize`` (in its loading thread pool, or deferred): ``tensor[...]`` then
@@ -8,6 +9,15 @@ whose dtype changes is instead converted into a region of the arena (``dest.copy
 same kernel, so the same bytes, as ``.to``). Sharing then copies nothing
 (:func:`patchload.transport.shm.share`). Everything else (no conversion, a weight converter's
 inputs, sharding, another device, no room left) is materialised exactly as transformers does.
+
+A load whose every tensor stays a view of its file (``mode.used["alongside"]``, see
+:func:`patchload._alongside.maps_as_plain`: a leader's or its followers' zero-copy load) has
+nothing for the pool's threads to do: each ``tensor[...]`` is a view and ``.to`` returns it.
+Its tensors are materialised in the calling thread instead (transformers' own deferred path,
+as with ``HF_DEACTIVATE_ASYNC_LOAD``): the same tensors, with no threads contending for the GIL.
+Measured (fp32 models loaded as fp32, 2 ranks on 2 cores, while its followers waited): a
+leader's threads switched context about 1,000 times in the pool's 80-100 ms, and the load took
+1.1-1.2x a plain one (500 MB and 1 GB); in the calling thread, 20 times and 0.9-1.0x.
 """
 
 from __future__ import annotations
@@ -24,8 +34,11 @@ _CPU = ("None", "cpu")  # str() of the device transformers passes
 
 def _spawn_materialize(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
-    """``transformers.core_model_loading.spawn_materialize``, converting into the arena."""
+    """``transformers.core_model_loading.spawn_materialize``: in the calling thread for a load
+    of views, converting into the arena for a leader's converting load."""
     mode = current_mode()
+    if mode is not None and mode.used.get("alongside") and len(args) == 4:
+        return wrapped(None, *args[1:], **kwargs)
     arena = mode.used.get("arena") if mode is not None and mode.lead else None
     if arena is None or len(args) != 4 or kwargs.get("sharding_op") is not None \
             or kwargs.get("tensor_idx") is not None:  # a converter's input: not kept as is
@@ -47,5 +60,5 @@ def _spawn_materialize(wrapped: Callable[..., Any], instance: Any, args: tuple[A
 
 
 def convert_patches() -> list[Patch]:
-    """The patch that lets a leader's converting load write into the blob it will share."""
+    """The patch on how a coordinated load materialises checkpoint tensors."""
     return [Patch("transformers.core_model_loading", "spawn_materialize", _spawn_materialize)]

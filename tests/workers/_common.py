@@ -187,6 +187,30 @@ def patchload_lines() -> Iterator[list[str]]:
         log.setLevel(level)
 
 
+@contextlib.contextmanager
+def threads_started() -> Iterator[list[str]]:
+    """The threads started in this process during the block, each named by the function that
+    started it and the thread's name: ``convert_and_load_state_dict_in_model:ThreadPoolExecutor-
+    3_0`` is transformers 5's loading pool (its checkpoint step), anything else another
+    (a pool downloading shards, patchload's heartbeat)."""
+    names: list[str] = []
+    original = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name != "convert_and_load_state_dict_in_model":
+            frame = frame.f_back
+        names.append(("convert_and_load_state_dict_in_model:" if frame is not None else "")
+                     + thread.name)
+        original(thread)
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+    try:
+        yield names
+    finally:
+        threading.Thread.start = original  # type: ignore[method-assign]
+
+
 def error_info(exc: BaseException, start: float) -> dict[str, Any]:
     """What a test needs to know about an exception: class, bases, message, when."""
     import patchload

@@ -66,9 +66,11 @@ def _load_case(report: dict, barrier: _common.Barrier, counter: _common.Safetens
     ref, cls, repo, kwargs = _case(case, rank)
     with _common.step(report, step_name, barrier) as record:
         mark = counter.snapshot()
-        with _common.peak_memory() as memory, _common.patchload_lines() as lines:
+        with _common.peak_memory() as memory, _common.patchload_lines() as lines, \
+                _common.threads_started() as threads:
             result = _common.attempt(lambda: cls.from_pretrained(repo, **kwargs))
         record["checkpoint"] = counter.since(mark)
+        record["threads"] = threads
         record["memory"] = memory
         record["patchload"] = lines
     record["ref"] = ref
