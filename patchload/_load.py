@@ -32,6 +32,7 @@ from . import _state
 from ._alongside import describe, mapped_state_dict, maps_as_plain
 from ._compat import (describe_loading_info, initialized_by_follower, loaded_from_leader,
                       warm_conversions)
+from ._convert import state_of_a_new_thread
 from ._patching import Patch
 from ._tensors import Owners, entries_of, named_tensors
 from ._writes import write_patches
@@ -476,6 +477,8 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
         if first:  # followers decide the same from the same arguments and layout
             mode.used["alongside"] = maps_as_plain(state_dict, files, load_config,
                                                    mode.used.get("layout"))
+            mode.used["materialise_here"] = (mode.used["alongside"]
+                                             and state_of_a_new_thread())
         if model is not None and first and not mode.used["alongside"]:  # nothing to share
             _transport_of(mode.call).prepare(mode.call, model, mode.used)
         result = wrapped(*args, **kwargs)
@@ -489,6 +492,7 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
             state = mapped_state_dict(_layout(mode), files)
             if state is not None:
                 mode.used["alongside"] = True
+                mode.used["materialise_here"] = state_of_a_new_thread()
                 return _load_alongside(wrapped, mode, args, kwargs, state)
     if not receive(mode, model):
         return wrapped(*args, **kwargs)

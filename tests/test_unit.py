@@ -425,6 +425,27 @@ def test_a_heartbeat_under_way_when_the_call_ends_leaves_no_key(monkeypatch):
     assert observer.num_keys() == before
 
 
+def test_a_load_materialises_in_its_own_thread_only_in_a_new_threads_torch_state():
+    """transformers' loading pool makes its tensors in new threads: a caller's inference mode,
+    no_grad, default device or dispatch mode does not reach them, so patchload materialises in
+    the calling thread only where none of these is on."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from patchload._convert import state_of_a_new_thread
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert state_of_a_new_thread()
+    for context in (torch.inference_mode(), torch.no_grad(), torch.device("cpu"),
+                    torch.autocast("cpu"), Passing()):
+        with context:
+            assert not state_of_a_new_thread(), context
+    assert state_of_a_new_thread()
+
+
 _PATCHED_NAMES = """
 import json, huggingface_hub, huggingface_hub.file_download as fd, huggingface_hub._snapshot_download as sd
 import huggingface_hub.repocard as rc, transformers.utils.hub as th
