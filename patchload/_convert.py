@@ -81,8 +81,9 @@ def _torch_state() -> tuple[Any, ...]:
 def state_of_a_new_thread() -> bool:
     """Whether this thread's torch state (grad and inference mode, dispatch keys, mode stacks)
     is a new thread's, as in transformers' loading pool: tensors materialised here are then
-    what the pool's would be. False where torch does not expose that state. Not collective;
-    starts one short-lived thread."""
+    what the pool's would be. False where torch does not expose that state or no thread can
+    start (the pool then runs as in a plain load). Not collective; starts one short-lived
+    thread."""
     seen: list[tuple[Any, ...]] = []
     try:
         here = _torch_state()
@@ -90,7 +91,7 @@ def state_of_a_new_thread() -> bool:
                                   name="patchload-torch-state")
         thread.start()
         thread.join()
-    except AttributeError:  # a torch without these accessors
+    except (AttributeError, RuntimeError):  # a torch without these accessors; no new thread
         return False
     return seen == [here]
 

@@ -446,6 +446,18 @@ def test_a_load_materialises_in_its_own_thread_only_in_a_new_threads_torch_state
     assert state_of_a_new_thread()
 
 
+def test_where_no_thread_can_start_a_load_materialises_as_a_plain_one(monkeypatch):
+    import threading
+
+    from patchload._convert import state_of_a_new_thread
+
+    def refuse(thread):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    assert state_of_a_new_thread() is False
+
+
 _PATCHED_NAMES = """
 import json, huggingface_hub, huggingface_hub.file_download as fd, huggingface_hub._snapshot_download as sd
 import huggingface_hub.repocard as rc, transformers.utils.hub as th
