@@ -92,6 +92,9 @@ def one_run(label: str, script: str, args: list[str], *, on: bool, hub: Any, out
         "ready_after_join_s": (all_ready - max(joined)) if all_ready and all(joined) else None,
         "load_peak": (sampler.peak(run.launched_at, all_ready) - baseline) if all_ready else None,
         "before_weights": (sampler.at(first_weight) - baseline) if first_weight else None,
+        # What the weights themselves added: the peak from the first weight on, above that point.
+        "weights_peak": (sampler.peak(first_weight, all_ready) - sampler.at(first_weight))
+        if first_weight and all_ready else None,
         "run_peak": sampler.peak(run.launched_at, run.ended_at) - baseline,
         "imports": baseline - run.baseline_bytes, "baseline_kind": baseline_kind,
         "log": base / "output.log",
@@ -148,9 +151,11 @@ def compare(plain: dict[str, Any], patched: dict[str, Any], nproc: int,
             "?" if s["ready_s"] is None else f"{s['ready_s']:.1f} s",
             "-" if s["ready_after_join_s"] is None else f"{s['ready_after_join_s']:.1f} s",
             "?" if s["load_peak"] is None else
-            f"{measure.gib(s['load_peak'])} ({s['load_peak'] / model_bytes:.1f}x)",
+            f"{measure.gib(s['load_peak'])} ({s['load_peak'] / model_bytes:.2f}x)",
             "?" if s["before_weights"] is None else
-            f"{measure.gib(s['before_weights'])} ({s['before_weights'] / model_bytes:.1f}x)",
+            f"{measure.gib(s['before_weights'])} ({s['before_weights'] / model_bytes:.2f}x)",
+            "?" if s["weights_peak"] is None else
+            f"{measure.gib(s['weights_peak'])} ({s['weights_peak'] / model_bytes:.2f}x)",
             f"{measure.gib(s['run_peak'])}",
             f"{measure.gib(s['imports'])} ({s['baseline_kind']})",
             f"{s['wall_s']:.1f} s",
@@ -161,11 +166,12 @@ def compare(plain: dict[str, Any], patched: dict[str, Any], nproc: int,
              "  of which after every rank joined the process group",
              "peak node memory until then (x loaded model)",
              "  of which held before the first weight was loaded",
+             "  added from the first weight on (x loaded model)",
              "peak node memory, whole run",
              "baseline: memory of the started ranks",
              "wall time of the job"]
     ratio_of = [None, None, None, "ready_s", "ready_after_join_s", "load_peak",
-                "before_weights", "run_peak", None, "wall_s"]
+                "before_weights", "weights_peak", "run_peak", None, "wall_s"]
     rows = [[n, a, b, _ratio(plain, patched, k)]
             for n, a, b, k in zip(names, fig(plain), fig(patched), ratio_of)]
     rows.append(["weights sha256 equal to plain, per rank", "-",
@@ -184,7 +190,7 @@ def _ratio(plain: dict[str, Any], patched: dict[str, Any], key: str | None) -> s
 
 
 _MEDIAN_KEYS = ("wall_s", "ready_s", "ready_after_join_s", "load_peak", "before_weights",
-                "run_peak", "imports")
+                "weights_peak", "run_peak", "imports")
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -259,7 +265,8 @@ def main() -> int:
           "pre-launch one. 'Held before the first weight was loaded' is the node's memory above "
           "the baseline when the first rank entered transformers' weight-loading step: the "
           "job's own (imports after the join, tokenizer, download), which the rest of the peak "
-          "comes on top of.")
+          "comes on top of; 'added from the first weight on' is that rest: the peak from then "
+          "until every rank holds its model, above the node's memory at that point.")
     print("Time: from torchrun's start (and from the last rank's init_process_group) until the "
           "last rank's from_pretrained returned (the example's loaded_at). The whole-run peak "
           "includes DDP and the SGD step, which write every parameter: with patchload each rank "
