@@ -22,7 +22,7 @@ import pytest
 
 import _faults as F
 import _nodes
-from _launch import WORKERS, Job, free_port, job_env, plain_rank_env, run_processes
+from _launch import WORKERS, free_port, job_env, plain_rank_env, run_processes
 from patchload.testing import Fault, LoopbackHub
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
