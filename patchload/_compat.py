@@ -14,10 +14,24 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["config_base", "describe_loading_info", "init_copy_", "initialized_by_follower",
-           "loaded_from_leader", "warm_conversions"]
+__all__ = ["config_base", "describe_loading_info", "dtype_plan", "init_copy_",
+           "initialized_by_follower", "loaded_from_leader", "warm_conversions"]
 
 logger = logging.getLogger(__name__)
+
+
+def dtype_plan(arguments: dict[str, Any]) -> Any:
+    """Which tensors a model load keeps in float32 whatever the dtype asked for, as JSON, from
+    ``PreTrainedModel._load_pretrained_model``'s bound arguments: 5.x's
+    ``load_config.dtype_plan`` (module pattern -> dtype, from the model's
+    ``_keep_in_fp32_modules`` and ``_keep_in_fp32_modules_strict``), 4.x's
+    ``keep_in_fp32_regex`` pattern. It comes from the model class and instance, not from the
+    call's arguments, so a rank may have another one (a subclass, a patched attribute)."""
+    plan = getattr(arguments.get("load_config"), "dtype_plan", None)
+    if plan is not None:  # transformers 5.x
+        return sorted([str(pattern), str(dtype)] for pattern, dtype in plan.items())
+    regex = arguments.get("keep_in_fp32_regex")
+    return getattr(regex, "pattern", regex)
 
 
 def describe_loading_info(result: Any) -> dict[str, Any]:

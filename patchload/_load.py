@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
 from ._alongside import describe, mapped_state_dict, maps_as_plain
-from ._compat import (describe_loading_info, initialized_by_follower, loaded_from_leader,
-                      warm_conversions)
+from ._compat import (describe_loading_info, dtype_plan, initialized_by_follower,
+                      loaded_from_leader, warm_conversions)
 from ._convert import state_of_a_new_thread
 from ._patching import Patch
 from ._tensors import Owners, entries_of, named_tensors
@@ -139,7 +139,7 @@ def _share(result: Any, call: Call, mode: Mode
     info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "headers": mode.used.get("headers", {}),
             "loading_info": mode.used.get("loading_info"), "transport": transport.name,
-            "conversions": mode.used.get("conversions"),
+            "conversions": mode.used.get("conversions"), "dtype_plan": mode.used.get("dtype_plan"),
             # Inference tensors (made inside torch.inference_mode() on the loading thread):
             # followers make theirs so too.
             "inference": [i for i, t in enumerate(unique) if t.is_inference()],
@@ -195,7 +195,8 @@ def _check_structure(model: Any, entries: list[list[Any]], metas: list[Any],
 
     Not by dtype: the skeleton's is not yet the loaded one (transformers casts ``keep_in_fp32``
     modules while loading); dtypes follow from the call's arguments, which are part of its key,
-    and from the config, whose file the follower verified.
+    from the config, whose file the follower verified, and from the model's float32 modules,
+    which :func:`receive` compares.
 
     Raises:
         VerificationFailed: a name or shape differs.
@@ -213,19 +214,22 @@ def _check_structure(model: Any, entries: list[list[Any]], metas: list[Any],
                                      f"{tuple(tensor.shape)} on this rank")
 
 
-def receive(mode: Mode, model: Any) -> bool:
+def receive(mode: Mode, model: Any, plan: Any = None) -> bool:
     """Follower, in place of the checkpoint-reading step: put the leader's tensors (through the
     transport the leader published) into ``model``, whose parameters may be on the meta device,
     but those the leader initialised rather than read (missing keys): transformers initialises
-    them on this rank afterwards, as in a plain load.
+    them on this rank afterwards, as in a plain load. ``plan``: this rank's
+    :func:`patchload._compat.dtype_plan` (None where the library has none), which must be the
+    leader's.
 
     Returns False (and changes nothing) when there are no weights to receive or they cannot be
     had (a leader that is gone, not a broadcast member, an attach that fails; logged as a
     warning): the caller then reads the checkpoint itself.
 
     Raises:
-        VerificationFailed: this rank's call resolved other files than the leader's, or its
-            model's tensors differ from the leader's in name or shape.
+        VerificationFailed: this rank's call resolved other files than the leader's, its
+            model's tensors differ from the leader's in name or shape, or it keeps other
+            modules in float32.
     """
     weights = mode.payload.get("weights")
     if not weights or "received" in mode.used:
@@ -238,6 +242,10 @@ def receive(mode: Mode, model: Any) -> bool:
     if transport.collective:  # a member joins before anything else: the others wait for it
         tensors = _received(transport, mode, weights)
     verify_so_far(mode)
+    if weights.get("dtype_plan") != plan:
+        raise VerificationFailed(f"this rank's {type(model).__name__} keeps other modules in "
+                                 f"float32 ({plan}) than the leader's "
+                                 f"({weights.get('dtype_plan')})")
     skip = initialized_by_follower(weights.get("loading_info") or {})
     if skip is None:  # this transformers line initialises them inside the replaced step
         return False
@@ -407,6 +415,11 @@ def from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
                        lead_with=_node_leader_load(name, wrapped, what))
 
 
+# What a node leader that took part in the nodes' load publishes to its node as the reading
+# leader made it.
+_RELAYED: Final = ("loading_info", "conversions", "dtype_plan")
+
+
 def _node_leader_load(name: str, wrapped: Callable[..., Any],
                       what: str) -> Callable[..., Any]:
     """What a node leader runs: with several nodes on one shared hub cache (download scope
@@ -427,8 +440,7 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
         def share(result: Any, call: Call, mode: Mode
                   ) -> tuple[dict[str, Any], Callable[[], None] | None]:
             node_mode.used.setdefault("headers", {}).update(mode.used.get("headers", {}))
-            node_mode.used["loading_info"] = mode.used.get("loading_info")
-            node_mode.used["conversions"] = mode.used.get("conversions")
+            node_mode.used.update({key: mode.used.get(key) for key in _RELAYED})
             try:
                 return _share(result, call, mode)
             finally:
@@ -440,9 +452,8 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
         def settle(result: Any, mode: Mode) -> Any:
             weights = mode.payload.get("weights") or {}
             node_mode.used.setdefault("headers", {}).update(weights.get("headers", {}))
-            # What this node's followers initialise themselves: what the reading leader did.
-            node_mode.used["loading_info"] = weights.get("loading_info")
-            node_mode.used["conversions"] = weights.get("conversions")
+            # What this node's followers compare and initialise: what the reading leader did.
+            node_mode.used.update({key: weights.get(key) for key in _RELAYED})
             result = _settle(result, mode)
             arena = mode.used.pop("arena", None)
             if arena is not None and mode.used.pop("joined", None) is not None:
@@ -485,6 +496,7 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
         if first:
             mode.used["loading_info"] = describe_loading_info(result)
             mode.used["conversions"] = _used_conversions(model, mapping)
+            mode.used["dtype_plan"] = dtype_plan(bound)
         return result
     if "alongside" not in mode.used:  # the call's first load, not an adapter's after it
         mode.used["alongside"] = False
@@ -494,7 +506,7 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
                 mode.used["alongside"] = True
                 mode.used["materialise_here"] = state_of_a_new_thread()
                 return _load_alongside(wrapped, mode, args, kwargs, state)
-    if not receive(mode, model):
+    if not receive(mode, model, dtype_plan(bound)):
         return wrapped(*args, **kwargs)
     weights = mode.payload["weights"]
     _conversions_as_leader(model, mapping, weights.get("conversions"))

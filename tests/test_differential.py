@@ -240,6 +240,12 @@ RANK_STATE = Scenario(
         # Ranks loading in another inference mode than rank 0 get their own tensors' mode.
         {"name": "inference-mode-on-rank-1", "op": "model", "repo": "diff/rank-state",
          "inference_mode": [1]},
+        # Rank 1's model class keeps lm_head in float32 (its _keep_in_fp32_modules_strict):
+        # a bf16 load gives it an fp32 lm_head, the other ranks a bf16 one.
+        {"name": "fp32-module-on-rank-1", "op": "model", "repo": "diff/rank-state",
+         "kwargs": {"dtype": "bfloat16"},
+         "keep_in_fp32_strict": {"cls": "LlamaForCausalLM", "ranks": [1],
+                                 "modules": ["lm_head"]}},
         # A relative config path names another config on each rank.
         {"name": "relative-config", "op": "model", "repo": "diff/rank-state",
          "cls": "LlamaForCausalLM", "kwargs": {"config": "./cfg"}},
