@@ -1,8 +1,8 @@
 """The only module that reads ``PATCHLOAD_*`` environment variables.
 
 :func:`load_config` reads them when called (not at import), validates every value and returns a
-frozen :class:`Config`. A bad value raises :class:`ConfigError` naming the variable, the value and
-the accepted values. With ``PATCHLOAD=0`` nothing else is read or validated. A ``PATCHLOAD_*``
+frozen :class:`Config`. A bad value raises :class:`ConfigError` naming the variable, the value,
+the accepted values and the rank. With ``PATCHLOAD=0`` nothing else is read or validated. A ``PATCHLOAD_*``
 name that patchload does not know is logged at WARNING once per process, with the closest known
 name, and otherwise ignored.
 
@@ -10,8 +10,9 @@ Accepted spellings (leading and trailing spaces ignored; an empty value means un
 
 - switches: ``1`` / ``0``, ``true`` / ``false``, ``yes`` / ``no``, ``on`` / ``off``, any case;
 - choices and log levels: the listed words, any case;
-- seconds and MiB: a decimal number (``5``, ``2.5``, ``1e3``); ``PATCHLOAD_TIMEOUT`` and
-  ``PATCHLOAD_PROGRESS_WARNING`` also take ``none`` (or ``inf``, ``infinity``): no bound.
+- seconds and MiB: a decimal number (``5``, ``2.5``, ``1e3``); seconds at most ``1e9`` (what
+  every wait below can take); ``PATCHLOAD_TIMEOUT`` and ``PATCHLOAD_PROGRESS_WARNING`` also take
+  ``none`` (or ``inf``, ``infinity``): no bound; MiB at least one byte.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Final, Mapping
 
 from ._errors import ConfigError
+from ._topology import current_topology
 
 __all__ = ["Config", "load_config"]
 
@@ -35,6 +37,9 @@ _TRANSPORTS: Final = ("auto", "shm", "collective")
 _SWITCH: Final = {"1": True, "true": True, "yes": True, "on": True,
                   "0": False, "false": False, "no": False, "off": False}
 _NO_BOUND: Final = ("none", "inf", "infinity")
+# The longest wait patchload accepts (about 31 years): longer ones overflow the store's and the
+# threads' timeouts (datetime.timedelta, threading.TIMEOUT_MAX).
+_MAX_SECONDS: Final = 1e9
 
 _VARIABLES: Final = ("PATCHLOAD", "PATCHLOAD_DOWNLOAD_SCOPE", "PATCHLOAD_BROADCAST",
                      "PATCHLOAD_TRANSPORT", "PATCHLOAD_TIMEOUT", "PATCHLOAD_HEARTBEAT",
@@ -106,6 +111,12 @@ class Config:
     None when unset: the library then leaves logging alone (effectively WARNING)."""
 
 
+def _invalid(env: Mapping[str, str], name: str, raw: str, accepted: str) -> ConfigError:
+    """The error for a bad value, naming this process's rank in a distributed job."""
+    topology = current_topology(env)
+    return ConfigError(name, raw, accepted, rank=topology.rank if topology.distributed else None)
+
+
 def _raw(env: Mapping[str, str], name: str) -> str | None:
     raw = env.get(name)
     return None if raw is None or raw.strip() == "" else raw
@@ -117,7 +128,7 @@ def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
         return default
     value = _SWITCH.get(raw.strip().lower())
     if value is None:
-        raise ConfigError(name, raw, "1 or 0 (also true/false, yes/no, on/off, any case)")
+        raise _invalid(env, name, raw, "1 or 0 (also true/false, yes/no, on/off, any case)")
     return value
 
 
@@ -127,37 +138,53 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default
         return default
     value = raw.strip().lower()
     if value not in choices:
-        raise ConfigError(name, raw, " / ".join(choices))
+        raise _invalid(env, name, raw, " / ".join(choices))
     return value
 
 
-def _number(env: Mapping[str, str], name: str, default: float, *, zero: bool = False) -> float:
-    """A finite number > 0 (>= 0 with ``zero``)."""
+def _seconds(env: Mapping[str, str], name: str, default: float, *, zero: bool = False) -> float:
+    """A number of seconds > 0 (>= 0 with ``zero``), at most ``_MAX_SECONDS``."""
     raw = _raw(env, name)
     if raw is None:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (value >= 0 if zero else value > 0) or value == math.inf:
-        raise ConfigError(name, raw, "a finite number >= 0" if zero else "a positive finite number")
+    value = _float(raw)
+    if not ((value >= 0 if zero else value > 0) and value <= _MAX_SECONDS):
+        raise _invalid(env, name, raw, ("a finite number >= 0" if zero else
+                                        "a positive finite number") + " of seconds, at most 1e9")
     return value
 
 
+def _bytes_of_mib(env: Mapping[str, str], name: str, default: float) -> int:
+    """A positive finite number of MiB, in bytes (at least one)."""
+    raw = _raw(env, name)
+    if raw is None:
+        return int(default * 2**20)
+    value = _float(raw)
+    if not (value > 0 and value != math.inf and int(value * 2**20) >= 1):
+        raise _invalid(env, name, raw, "a positive finite number of MiB, at least one byte "
+                                       "(1e-6)")
+    return int(value * 2**20)
+
+
+def _float(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        return math.nan
+
+
 def _bound(env: Mapping[str, str], name: str, default: float | None) -> float | None:
-    """A positive finite number of seconds, or None for ``none`` / ``inf`` / ``infinity``."""
+    """A positive number of seconds up to ``_MAX_SECONDS``, or None for ``none`` / ``inf`` /
+    ``infinity``."""
     raw = _raw(env, name)
     if raw is None:
         return default
     if raw.strip().lower() in _NO_BOUND:
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise ConfigError(name, raw, "a positive number of seconds, or none (no bound; also inf)")
+    value = _float(raw)
+    if not 0 < value <= _MAX_SECONDS:
+        raise _invalid(env, name, raw, "a positive number of seconds, at most 1e9, or none (no "
+                                       "bound; also inf)")
     return value
 
 
@@ -167,7 +194,7 @@ def _log_level(env: Mapping[str, str], name: str) -> str | None:
         return None
     value = raw.strip().upper()
     if not isinstance(logging.getLevelName(value), int):
-        raise ConfigError(name, raw, "DEBUG / INFO / WARNING / ERROR / CRITICAL")
+        raise _invalid(env, name, raw, "DEBUG / INFO / WARNING / ERROR / CRITICAL")
     return value
 
 
@@ -205,8 +232,8 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
 
     Raises:
         ConfigError: a variable holds a value outside its accepted values (``PATCHLOAD`` itself
-            always, the others when enabled); the message names the variable, the value and what
-            is accepted.
+            always, the others when enabled); the message names the variable, the value, what
+            is accepted and, in a distributed job, this process's rank.
     """
     env = os.environ if env is None else env
     if not _switch(env, "PATCHLOAD", True):
@@ -224,13 +251,13 @@ def _read(env: Mapping[str, str] | None = None) -> Config:
         broadcast=_switch(env, "PATCHLOAD_BROADCAST", True),
         transport=_choice(env, "PATCHLOAD_TRANSPORT", _TRANSPORTS, "auto"),
         timeout_s=_bound(env, "PATCHLOAD_TIMEOUT", None),
-        heartbeat_s=_number(env, "PATCHLOAD_HEARTBEAT", 5.0),
-        claim_grace_s=_number(env, "PATCHLOAD_CLAIM_GRACE", 5.0, zero=True),
-        exit_wait_s=_number(env, "PATCHLOAD_EXIT_WAIT", 60.0, zero=True),
-        arrival_window_s=_number(env, "PATCHLOAD_ARRIVAL_WINDOW", 5.0),
-        group_timeout_s=_number(env, "PATCHLOAD_GROUP_TIMEOUT", 300.0),
+        heartbeat_s=_seconds(env, "PATCHLOAD_HEARTBEAT", 5.0),
+        claim_grace_s=_seconds(env, "PATCHLOAD_CLAIM_GRACE", 5.0, zero=True),
+        exit_wait_s=_seconds(env, "PATCHLOAD_EXIT_WAIT", 60.0, zero=True),
+        arrival_window_s=_seconds(env, "PATCHLOAD_ARRIVAL_WINDOW", 5.0),
+        group_timeout_s=_seconds(env, "PATCHLOAD_GROUP_TIMEOUT", 300.0),
         progress_warning_s=_bound(env, "PATCHLOAD_PROGRESS_WARNING", 60.0),
-        scope_wait_s=_number(env, "PATCHLOAD_SCOPE_WAIT", 60.0),
-        bucket_bytes=int(_number(env, "PATCHLOAD_BUCKET_MB", 256.0) * 2**20),
+        scope_wait_s=_seconds(env, "PATCHLOAD_SCOPE_WAIT", 60.0),
+        bucket_bytes=_bytes_of_mib(env, "PATCHLOAD_BUCKET_MB", 256.0),
         log_level=_log_level(env, "PATCHLOAD_LOG_LEVEL"),
     )

@@ -56,10 +56,15 @@ class ConfigError(PatchloadError, ValueError):
     Attributes:
         variable: the environment variable's name.
         value: the rejected value, as read.
+        rank: the global rank that read it (named in the message), or None outside a
+            distributed job.
     """
 
-    def __init__(self, variable: str, value: str, accepted: str) -> None:
-        super().__init__(f"{variable}={value!r} is not valid: accepted values are {accepted}")
+    def __init__(self, variable: str, value: str, accepted: str, *,
+                 rank: int | None = None) -> None:
+        where = "" if rank is None else f" on rank {rank}"
+        super().__init__(f"{variable}={value!r} is not valid{where}: accepted values are "
+                         f"{accepted}", rank=rank)
         self.variable = variable
         self.value = value
 

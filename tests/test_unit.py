@@ -51,15 +51,22 @@ def test_switch_spellings(raw, value):
     ("PATCHLOAD", "maybe", "1 or 0 (also true/false, yes/no, on/off, any case)"),
     ("PATCHLOAD_DOWNLOAD_SCOPE", "cluster", "auto / node / job"),
     ("PATCHLOAD_TRANSPORT", "nccl", "auto / shm / collective"),
-    ("PATCHLOAD_TIMEOUT", "-3", "a positive number of seconds, or none (no bound; also inf)"),
-    ("PATCHLOAD_TIMEOUT", "0", "a positive number of seconds, or none"),
+    ("PATCHLOAD_TIMEOUT", "-3", "a positive number of seconds, at most 1e9, or none (no bound; "
+                                "also inf)"),
+    ("PATCHLOAD_TIMEOUT", "0", "a positive number of seconds, at most 1e9, or none"),
+    ("PATCHLOAD_TIMEOUT", "1e308", "a positive number of seconds, at most 1e9, or none"),
     ("PATCHLOAD_HEARTBEAT", "fast", "a positive finite number"),
     ("PATCHLOAD_HEARTBEAT", "inf", "a positive finite number"),
-    ("PATCHLOAD_BUCKET_MB", "0", "a positive finite number"),
-    ("PATCHLOAD_CLAIM_GRACE", "-1", "a finite number >= 0"),
+    ("PATCHLOAD_BUCKET_MB", "0", "a positive finite number of MiB, at least one byte"),
+    # Rounds to 0 bytes: a broadcast could not be cut into buckets.
+    ("PATCHLOAD_BUCKET_MB", "1e-9", "a positive finite number of MiB, at least one byte"),
+    ("PATCHLOAD_CLAIM_GRACE", "-1", "a finite number >= 0 of seconds, at most 1e9"),
+    # Longer waits overflow the store's timeout (datetime.timedelta) and the threads'.
+    ("PATCHLOAD_CLAIM_GRACE", "1e14", "a finite number >= 0 of seconds, at most 1e9"),
+    ("PATCHLOAD_GROUP_TIMEOUT", "1e308", "a positive finite number of seconds, at most 1e9"),
     ("PATCHLOAD_EXIT_WAIT", "none", "a finite number >= 0"),
     ("PATCHLOAD_ARRIVAL_WINDOW", "0", "a positive finite number"),
-    ("PATCHLOAD_PROGRESS_WARNING", "soon", "a positive number of seconds, or none"),
+    ("PATCHLOAD_PROGRESS_WARNING", "soon", "a positive number of seconds, at most 1e9, or none"),
     ("PATCHLOAD_LOG_LEVEL", "LOUD", "DEBUG / INFO"),
 ])
 def test_bad_config_names_variable_and_accepted_values(name, value, accepted):
@@ -68,6 +75,16 @@ def test_bad_config_names_variable_and_accepted_values(name, value, accepted):
     assert name in str(info.value) and repr(value) in str(info.value)
     assert accepted in str(info.value)
     assert info.value.variable == name and isinstance(info.value, ValueError)
+
+
+def test_bad_config_names_the_rank_in_a_distributed_job():
+    env = {"PATCHLOAD_TRANSPORT": "nccl", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+           "LOCAL_WORLD_SIZE": "2"}
+    with pytest.raises(ConfigError) as info:
+        load_config(env)
+    assert str(info.value) == ("PATCHLOAD_TRANSPORT='nccl' is not valid on rank 1: accepted "
+                               "values are auto / shm / collective")
+    assert info.value.rank == 1
 
 
 def test_bad_config_fails_the_import():
@@ -99,7 +116,7 @@ except patchload.ConfigError as err:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
         "False", "PATCHLOAD_TIMEOUT='abc' is not valid: accepted values are a positive number "
-                 "of seconds, or none (no bound; also inf)"]
+                 "of seconds, at most 1e9, or none (no bound; also inf)"]
     assert proc.stderr == ""
 
 
