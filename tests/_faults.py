@@ -33,7 +33,8 @@ LLAMA_IDS = ("f/ok", "f/abort-once", "f/reset", "f/stall", "f/memerr", "f/kill-r
              "f/kill-published", "f/kill-follower", "f/kill-remote", "f/slow", "f/corrupt-cache", "f/stale-lock",
              "f/readonly", "f/pg-timeout", "f/threads", "f/loop", "f/shared-home",
              "f/enospc", "f/enospc-injected", "f/flock-enosys", "f/flock-noop", "f/bcast",
-             "f/bcast-kill-follower", "f/bcast-kill-leader", "f/bcast-kill-waiting")
+             "f/bcast-kill-follower", "f/bcast-kill-leader", "f/bcast-kill-waiting",
+             "f/bcast-raise-follower")
 SHARDED_IDS = ("f/shard404", "f/sharded")
 
 

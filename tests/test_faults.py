@@ -241,7 +241,8 @@ def four_ranks(fault_hub: Any, folders: dict[str, Path], tmp_path_factory: pytes
                ) -> Any:
     """4 plain ranks: a disk full under the leader (a real small tmpfs where mounting is
     allowed, and an injected ``ENOSPC`` everywhere), 50 loads in a row, then the collective
-    transport with a follower, then the leader, SIGKILLed mid-broadcast."""
+    transport with a follower raising its own error mid-broadcast, a follower, then the leader,
+    SIGKILLed mid-broadcast."""
     root = tmp_path_factory.mktemp("four-ranks")
     tmpfs = root / "tmpfs-cache"
     tmpfs_skip = _mount_small_tmpfs(tmpfs)
@@ -258,6 +259,10 @@ def four_ranks(fault_hub: Any, folders: dict[str, Path], tmp_path_factory: pytes
          "kwargs": {"cache_dir": str(injected)}},
         {"name": "loop", "repo": "f/loop", "kind": "loop", "loops": 50},
         {"name": "bcast", "repo": "f/bcast", "env": COLLECTIVE},
+        # Its own error, not a transport's: it must not join the spent broadcast again.
+        {"name": "bcast_raise_follower", "repo": "f/bcast-raise-follower", "leader": 0,
+         "env": {**COLLECTIVE, "PATCHLOAD_GROUP_TIMEOUT": "20"},
+         "raise_in_broadcast": {"rank": 2, "bucket": 2}},
         {"name": "bcast_kill_follower", "repo": "f/bcast-kill-follower", "leader": 0,
          "env": COLLECTIVE, "kill_in_broadcast": {"rank": 3, "bucket": 2}, "dies": [3]},
         {"name": "bcast_kill_leader", "repo": "f/bcast-kill-leader", "ranks": [0, 1, 2],
@@ -629,6 +634,22 @@ def test_leader_killed_while_broadcasting(four_ranks: dict[str, Any]) -> None:
     # 5 s of it: the leader waits that long for rank 3 (dead) to arrive before broadcasting.
     assert F.step_span_s(job, "bcast_kill_leader") < 15
     assert_only_leader_requested(job, "f/bcast-kill-leader", 0)
+
+
+def test_follower_whose_receive_raises_loads_plainly_at_once(four_ranks: dict[str, Any]) -> None:
+    """A member whose receive raises an error of its own (``MemoryError`` in bucket 2) leaves
+    the broadcast, warns and loads from the cache; it does not join the broadcast again (whose
+    rendezvous is spent: it would wait out the group's timeout, 20 s here, several times)."""
+    job = four_ranks["job"]
+    records = step_records(job, "bcast_raise_follower")
+    assert sorted(records) == [0, 1, 2, 3], F.describe(job, ["bcast_raise_follower"])
+    for rank, record in records.items():
+        assert_weights_ok(record, f"rank {rank}")
+    assert records[2]["opened"], records[2]  # its own plain load
+    assert "MemoryError: injected: cannot receive bucket 2" in job.outputs[2], \
+        job.outputs[2][-3000:]
+    assert F.step_span_s(job, "bcast_raise_follower") < 15
+    assert_only_leader_requested(job, "f/bcast-raise-follower", {0, 2})
 
 
 @pytest.mark.timeout(240)

@@ -176,6 +176,9 @@ class CollectiveWeights:
         that will share the tensors in its node (``PATCHLOAD_TRANSPORT=auto``, several nodes)
         receives them into an arena, left in ``used["arena"]`` for that share."""
         if "joined" not in used:
+            # One attempt per call: after a join that raised, the broadcast's rendezvous keys
+            # are spent, and joining again (an abandon) would wait for members that left.
+            used["joined"] = None
             arena = None
             if _node_share_follows():
                 from . import TensorMeta

@@ -183,7 +183,8 @@ def _hook_publish() -> None:
 
 
 def _hook_broadcast() -> None:
-    """Apply ``kill_in_broadcast``: wrap the collective transport's one-operation runner."""
+    """Apply ``kill_in_broadcast`` and ``raise_in_broadcast`` (a ``MemoryError``, not a
+    transport error): wrap the collective transport's one-operation runner."""
     original = collective._run
 
     def run(group: Any, action: str, started: float, launch: Any) -> None:
@@ -192,6 +193,10 @@ def _hook_broadcast() -> None:
                 and action.startswith(f"broadcast of bucket {kill['bucket']}/")):
             SYNC.set(f"dying/{_STEP['name']}", str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
+        fail = _STEP.get("raise_in_broadcast")
+        if (fail and int(fail["rank"]) == RANK
+                and action.startswith(f"broadcast of bucket {fail['bucket']}/")):
+            raise MemoryError(f"injected: cannot receive bucket {fail['bucket']}")
         original(group, action, started, launch)
 
     collective._run = run
