@@ -2,9 +2,9 @@
 
 :func:`load_config` reads them when called (not at import), validates every value and returns a
 frozen :class:`Config`. A bad value raises :class:`ConfigError` naming the variable, the value,
-the accepted values and the rank. With ``PATCHLOAD=0`` nothing else is read or validated. A ``PATCHLOAD_*``
-name that patchload does not know is logged at WARNING once per process, with the closest known
-name, and otherwise ignored.
+the accepted values and the rank. With ``PATCHLOAD=0`` nothing else is read or validated. A
+``PATCHLOAD_*`` name that patchload does not know is logged at WARNING once per process, with
+the closest known name, and otherwise ignored.
 
 Accepted spellings (leading and trailing spaces ignored; an empty value means unset):
 
@@ -160,10 +160,11 @@ def _bytes_of_mib(env: Mapping[str, str], name: str, default: float) -> int:
     if raw is None:
         return int(default * 2**20)
     value = _float(raw)
-    if not (value > 0 and value != math.inf and int(value * 2**20) >= 1):
+    nbytes = int(value * 2**20) if 0 < value < math.inf else 0
+    if nbytes < 1:
         raise _invalid(env, name, raw, "a positive finite number of MiB, at least one byte "
                                        "(1e-6)")
-    return int(value * 2**20)
+    return nbytes
 
 
 def _float(raw: str) -> float:

@@ -636,6 +636,7 @@ def test_leader_killed_while_broadcasting(four_ranks: dict[str, Any]) -> None:
     assert_only_leader_requested(job, "f/bcast-kill-leader", 0)
 
 
+@pytest.mark.timeout(300)
 def test_follower_whose_receive_raises_loads_plainly_at_once(four_ranks: dict[str, Any]) -> None:
     """A member whose receive raises an error of its own (``MemoryError`` in bucket 2) leaves
     the broadcast, warns and loads from the cache; it does not join the broadcast again (whose

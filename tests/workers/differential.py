@@ -162,13 +162,14 @@ def op_model(step: dict[str, Any]) -> dict[str, Any]:
     fp32 = step.get("keep_in_fp32_strict", {})
     owner = getattr(transformers, fp32.get("cls", "PreTrainedModel"))
     saved = owner.__dict__.get("_keep_in_fp32_modules_strict")
-    if int(_RANK) in fp32.get("ranks", ()):
+    patched = int(_RANK) in fp32.get("ranks", ())
+    if patched:
         owner._keep_in_fp32_modules_strict = fp32["modules"]
     try:
         with torch.inference_mode() if inference else contextlib.nullcontext():
             result = cls.from_pretrained(step["repo"], **kwargs)
     finally:
-        if int(_RANK) in fp32.get("ranks", ()):
+        if patched:
             owner._keep_in_fp32_modules_strict = saved
     obs: dict[str, Any] = {}
     if kwargs.get("output_loading_info"):
