@@ -58,7 +58,8 @@ _WARNED_LOCK: Final = threading.Lock()
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
-    """patchload's settings, one field per ``PATCHLOAD_*`` variable (table in README.md)."""
+    """patchload's settings, one field per ``PATCHLOAD_*`` variable (the table in
+    docs/configuration.md is generated from these docstrings: ``scripts/config_doc.py``)."""
 
     enabled: bool = True
     """``PATCHLOAD``: master switch. False: importing patchload installs no patch, and no other
