@@ -91,7 +91,7 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     """True while the patches are installed."""
-    return _state.active()
+    return _state.installed()
 
 
 patch = install

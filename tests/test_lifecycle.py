@@ -6,6 +6,8 @@
   (``del model`` and a garbage collection), and rank 0's exit does not wait for ranks that never
   make the call. At exit the thread that watches those blobs is stopped and joined before
   they are released (no daemon thread inside a store request at finalization).
+* A worker a rank forks (a ``DataLoader``'s) is not a rank: its patched calls run as without
+  patchload, it logs nothing as the rank it copied, and it leaves the rank's calls alone.
 * The store: waiting followers block in the store (at most one request per second each), and a
   thousand coordinated calls leave it with as many keys as before (``benchmarks/bench_store.py``,
   small sizes here; the README's table has the large ones).
@@ -118,3 +120,21 @@ def test_the_shares_watcher_has_ended_when_the_exit_releases(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     # One watcher ran (rank 1 never arrives: the blob stays pending), and none is left.
     assert done.stdout.split() == ["1", "0"], done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_forked_worker_of_a_rank_is_not_a_rank(hub: LoopbackHub, tmp_path: Path) -> None:
+    env = job_env(hub.endpoint, tmp_path / "hf", tmp_path / "out", PATCHLOAD_LOG_LEVEL="INFO")
+    job = run_torchrun(hub, "lifecycle", ["forked"], nproc=2, env=env, timeout_s=180).check_ok()
+    for rank, report in job.ranks.items():
+        child = report["child"]
+        # The child got what the rank got, as a plain call, and said nothing as "rank N".
+        assert child.get("config") == report["config"], (rank, child)
+        assert child["forked_worker"] is True, (rank, child)
+        assert child["lines"] == [], (rank, child["lines"])
+        assert report["child_exit"] == 0, (rank, report)
+    # The ranks' next call is still matched across them: the child took no call key.
+    assert [line.split(": ", 1)[1].split(",")[0] for line in job.ranks[0]["tokenizer_lines"]] \
+        == ["led it (node scope)"], job.ranks[0]["tokenizer_lines"]
+    assert [line.split(": ", 1)[1].split(",")[0] for line in job.ranks[1]["tokenizer_lines"]] \
+        == ["followed rank 0: no request"], job.ranks[1]["tokenizer_lines"]

@@ -14,6 +14,11 @@ Usage: ``lifecycle.py regroup`` or ``lifecycle.py teacher``; reports go to
   load: a shared blob), then ``del model`` and ``gc.collect()``; it reports its shared-memory
   fds and their bytes before and once they are gone (at most 15 s), how long that took, and how
   long its interpreter took to exit (the other ranks never make the call).
+* ``forked`` (under a launcher): every rank loads ``AutoConfig.from_pretrained("org/llama")``,
+  then a child it forks (``multiprocessing``'s fork context, as a ``DataLoader`` worker) makes
+  the same call, then the rank loads the tokenizer. It reports the child's config, what patchload
+  logged in the child, whether the child counts as a forked worker, and the rank's own INFO line
+  for the tokenizer (the child left the rank's call keys alone).
 """
 
 from __future__ import annotations
@@ -103,6 +108,50 @@ def _teacher() -> None:
     _write(rank, report)
 
 
+def _in_child(conn: object) -> None:
+    import logging
+
+    import patchload._state
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("patchload")
+    log.addHandler(Collect(logging.DEBUG))
+    log.setLevel(logging.DEBUG)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained("org/llama").to_dict()
+    conn.send({"config": config, "lines": lines,  # type: ignore[attr-defined]
+               "forked_worker": patchload._state.forked_worker()})
+
+
+def _forked() -> None:
+    import multiprocessing
+
+    import _common
+
+    rank = int(os.environ["RANK"])
+    os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{rank}"
+    import patchload  # noqa: F401
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained("org/llama").to_dict()
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_in_child, args=(child,))
+    proc.start()
+    got = parent.recv() if parent.poll(60) else {"error": "the child sent nothing in 60 s"}
+    proc.join(30)
+    with _common.patchload_lines() as lines:
+        AutoTokenizer.from_pretrained("org/llama")
+    _write(rank, {"config": config, "child": got, "child_exit": proc.exitcode,
+                  "tokenizer_lines": lines})
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if sys.argv[1] == "regroup":
@@ -111,6 +160,8 @@ def main() -> None:
         mp.spawn(_regroup_rank, args=(2,), nprocs=2, join=True)
     elif sys.argv[1] == "teacher":
         _teacher()
+    elif sys.argv[1] == "forked":
+        _forked()
     else:
         raise SystemExit(f"unknown mode {sys.argv[1]!r}")
 
