@@ -26,7 +26,7 @@ import pytest
 from _golden import check_golden
 from _launch import REPO_ROOT, job_env
 
-pytestmark = [pytest.mark.tf4, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.tf4, pytest.mark.timeout(240)]
 
 PACKAGE: Final = REPO_ROOT / "patchload"
 TRANSFORMERS_MAJOR: Final = int(importlib.metadata.version("transformers").split(".")[0])
@@ -39,7 +39,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 def _run(code: str, tmp_path: Path) -> str:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=100, env=_env(tmp_path), cwd=tmp_path)
+                          timeout=200, env=_env(tmp_path), cwd=tmp_path)
     assert proc.returncode == 0, f"probe failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
