@@ -179,7 +179,7 @@ class _Response:
 # when transformers.modeling_utils is); the plain call would import it, so it may be imported here.
 _IMPORTABLE_PACKAGES = frozenset({"huggingface_hub", "transformers", "safetensors", "tokenizers",
                                   "torch", "sentence_transformers", "httpx", "requests",
-                                  "urllib3", "patchload"})
+                                  "urllib3", "patchload", "datasets"})
 
 
 def _resolve_class(module: str, qualname: str) -> type[BaseException] | None:

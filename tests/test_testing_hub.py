@@ -486,3 +486,51 @@ def test_cli_serves_and_logs(tmp_path: Path, folders: dict[str, Path]) -> None:
         proc.terminate()
         proc.wait(timeout=10)
     assert proc.returncode == 0
+
+
+@pytest.mark.timeout(120)
+def test_dataset_repo_serves_what_the_datasets_client_asks(tmp_path: Path) -> None:
+    """A dataset repo answers every endpoint ``datasets.load_dataset`` and ``HfFileSystem`` use
+    (repo info by branch and by commit, tree listings, paths-info, ``/datasets/.../resolve``),
+    with no unknown endpoint, and the real client loads its rows."""
+    pytest.importorskip("datasets", reason="datasets is not installed (the `test` extra has it)")
+    folder = tmp_path / "ds"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "train.csv").write_text("text,label\nx,1\ny,0\n")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n")
+    with LoopbackHub(log_path=tmp_path / "requests.jsonl") as hub:
+        commit = hub.add_repo("org/ds", folder, repo_type="dataset")
+        result = _client(hub, tmp_path / "home", """
+            def main():
+                import datasets
+                from huggingface_hub import HfApi, HfFileSystem
+
+                api = HfApi()
+                tree = sorted(e.path for e in api.list_repo_tree(
+                    "org/ds", repo_type="dataset", recursive=True))
+                info = [e.path for e in api.get_paths_info(
+                    "org/ds", ["data/train.csv", "data"], repo_type="dataset")]
+                fs = HfFileSystem()
+                found = fs.glob("datasets/org/ds/data/*.csv")
+                ds = datasets.load_dataset("org/ds", split="train")
+                return {"tree": tree, "paths_info": info, "glob": found,
+                        "sha": api.dataset_info("org/ds").sha, "rows": ds.to_dict(),
+                        "files": [f["filename"] for f in ds.cache_files]}
+        """)
+        requests = hub.requests()
+    assert result["ok"], result
+    value = result["value"]
+    assert value["tree"] == ["README.md", "data", "data/train.csv"]
+    assert value["paths_info"] == ["data/train.csv", "data"]
+    assert value["glob"] == ["datasets/org/ds/data/train.csv"]
+    assert value["sha"] == commit
+    assert value["rows"] == {"text": ["x", "y"], "label": [1, 0]}
+    assert f"/org___ds/default/0.0.0/{commit}/" in value["files"][0]
+    paths = {(r.method, r.path.replace(commit, "<sha>")) for r in requests}
+    assert ("GET", "/api/datasets/org/ds/revision/<sha>") in paths
+    assert ("GET", "/api/datasets/org/ds/tree/<sha>") in paths
+    assert ("POST", "/api/datasets/org/ds/paths-info/main") in paths
+    assert ("GET", "/datasets/org/ds/resolve/<sha>/data/train.csv") in paths
+    # Only files the repo lacks are 404 (the client probes for a card, scripts, metadata).
+    assert all(r.status in (200, 206) or "/resolve/" in r.path for r in requests), \
+        [(r.method, r.path, r.status) for r in requests if r.status not in (200, 206)]
