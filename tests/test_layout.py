@@ -96,7 +96,7 @@ def test_patches_match_golden_list(tmp_path):
 # Today's modules in the layers of REDESIGN.md §3.2, lowest first. A module may import only
 # modules of its own layer or of a lower one. A module missing here fails the test: place it.
 # (After the moves of §3.4 the layers become folders: weights/, patches/, and so on.)
-FOUNDATION, COORDINATION, TRANSPORT, WEIGHTS, TOP, TESTING = range(6)
+FOUNDATION, COORDINATION, TRANSPORT, WEIGHTS, PATCHES, TOP, TESTING = range(7)
 LAYER_NAMES: Final = ("foundation", "coordination", "transport", "weights", "top", "testing")
 LAYERS: Final[dict[str, int]] = {
     # foundation: settings, ranks, errors, library differences, the install's state, patching
@@ -136,6 +136,9 @@ LAYERS: Final[dict[str, int]] = {
     "patchload._dynamic": WEIGHTS,
     "patchload._diffusers": WEIGHTS,
     "patchload._first": WEIGHTS,
+    # patches/: one module per library, and their registry
+    "patchload.patches": PATCHES,
+    "patchload.patches.datasets": PATCHES,
     # top: the public API and doctor
     "patchload": TOP,
     "patchload.__main__": TOP,
