@@ -57,11 +57,13 @@ def install(config: Config | None = None) -> None:
     """
     from ._config import _read
     from ._patching import install_patches
+    from .coordination.scope import announce_when_hub_imported
 
     cfg = config or _read()
     _configure_logging(cfg)
     _state.set_active(True, cfg)
     install_patches(_patches())
+    announce_when_hub_imported()
 
 
 def _patches() -> list[Patch]:

@@ -102,9 +102,8 @@ class Config:
     """``PATCHLOAD_PROGRESS_WARNING``: a follower that has waited longer than this, in seconds,
     logs a WARNING, and again periodically while it waits. None (``none``): no such warning."""
     scope_wait_s: float = 60.0
-    """``PATCHLOAD_SCOPE_WAIT``: with several nodes and ``PATCHLOAD_DOWNLOAD_SCOPE=auto``, the most
-    a rank waits, in seconds, at its first call for the job's decision of the download scope
-    (rank 0 for every node's answer); on expiry, downloads are per node."""
+    """``PATCHLOAD_SCOPE_WAIT``: accepted and validated, no longer used: the ``auto`` download
+    scope is decided without waiting for any rank (see ``patchload.coordination.scope``)."""
     bucket_bytes: int = 256 * 2**20
     """``PATCHLOAD_BUCKET_MB`` (in MiB, stored here in bytes): collective broadcast bucket size."""
     log_level: str | None = None

@@ -34,6 +34,11 @@ BIG_LLAMA = "org/llama-big-bf16"
 # Cases the plain reference also runs, for tests of their own (the two-node test).
 REFERENCE_ONLY_CASES = ("big_as_f32",)
 
+# Concurrent-load repos (tests/test_load.py): fp32 llamas with untied weights, one loaded per
+# thread at once (transformers 5's default dtype and weight tying are process-wide while a model
+# is built, so only such loads are deterministic in threads, plain).
+CONCURRENT_REPOS = ("cc/llama-a", "cc/llama-b", "cc/llama-sharded")
+
 # Download-test repos: one per call of the download worker (all serve the tiny llama folder).
 DOWNLOAD_REPOS = ("dl/pair", "dl/file", "dl/snap", "dl/config", "dl/gen")
 
@@ -101,6 +106,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "org/custom": models.tiny_custom(root / "custom"),
         models.MINILM_REPO_ID: models.minilm(root / "minilm"),
     }
+    for seed, repo in enumerate(CONCURRENT_REPOS, start=7):
+        out[repo] = models.tiny_llama(root / repo.replace("/", "--"), seed=seed,
+                                      with_tokenizer=False,
+                                      max_shard_size="20KB" if "sharded" in repo else None)
     for repo in DOWNLOAD_REPOS + RATELIMITED + (GATED, ERR500, STALLED):
         out[repo] = llama
     corrupt = root / "corrupt"

@@ -22,7 +22,7 @@ import _nodes
 from _launch import (TRANSFORMERS_4, Job, check_same_error_everywhere, diff_fingerprints,
                      follower_checkpoint, job_env, request_signature, run_plain, run_torchrun,
                      step_records)
-from conftest import LOAD_CASES, REFERENCE_ONLY_CASES
+from conftest import CONCURRENT_REPOS, LOAD_CASES, REFERENCE_ONLY_CASES
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="torchrun jobs with /proc and memfd: Linux only")
@@ -251,6 +251,55 @@ def test_broadcast_off_coordinates_downloads_only(broadcast_off_job: Job,
                 (rank, case, record["checkpoint"])  # every rank reads its own weights
         window = job.window(case)
         assert len({r.rank for r in window}) == 1, (case, window)
+
+
+# --- concurrent loads in threads (issue 30 item 6) ------------------------------------------------
+
+CONCURRENT_ROUNDS = 2
+
+
+@pytest.fixture(scope="module")
+def concurrent_jobs(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
+    """N=3, each rank loading CONCURRENT_REPOS at once (main thread and two threads of its
+    own), CONCURRENT_ROUNDS rounds: plain, and patched with ``PATCHLOAD_TRANSPORT=collective``
+    (every call a broadcast over a private gloo group built from the store, while the process's
+    other threads wait on the store and its heartbeat beats). The group timeout is cut to 60 s,
+    so a job that stalls on it still ends within the test's bound."""
+    jobs = {}
+    for side, extra in (("plain", {"PATCHLOAD": "0"}),
+                        ("collective", {"PATCHLOAD_TRANSPORT": "collective",
+                                        "PATCHLOAD_GROUP_TIMEOUT": "60"})):
+        root = tmp_path_factory.mktemp(f"concurrent-{side}")
+        jobs[side] = run_torchrun(hub, "load", ["--concurrent", ",".join(CONCURRENT_REPOS),
+                                                "--rounds", str(CONCURRENT_ROUNDS)],
+                                  nproc=N, env=_env(hub, root, **extra),
+                                  timeout_s=JOB_TIMEOUT_S).check_ok()
+    return jobs
+
+
+@pytest.mark.timeout(600)
+def test_concurrent_loads_in_threads_equal_plain_in_bounded_time(
+        concurrent_jobs: dict[str, Job]) -> None:
+    """Every rank's every concurrent load equals the plain run's, and no round takes more than
+    20 s beyond the plain one's: no thread's store wait (a private group's rendezvous among
+    them) holds up another thread's store requests or the heartbeat (which stalled every round
+    until the group timeout, then failed followers with "no heartbeat")."""
+    plain, patched = concurrent_jobs["plain"], concurrent_jobs["collective"]
+    for number in range(CONCURRENT_ROUNDS):
+        step = f"concurrent-{number}"
+        want, got = step_records(plain, step), step_records(patched, step)
+        for rank in range(N):
+            for repo in CONCURRENT_REPOS:
+                a, b = want[rank]["repos"][repo], got[rank]["repos"][repo]
+                assert a["ok"], (rank, step, repo, a)
+                assert b["ok"], f"rank {rank} {step} {repo}: {b.get('error')}"
+                assert diff_fingerprints(b["fingerprint"], a["fingerprint"]) == [], \
+                    (rank, step, case)
+        slowest = {side: max(r["elapsed_s"] for r in records.values())
+                   for side, records in (("plain", want), ("collective", got))}
+        print(f"{step}: slowest rank {slowest['plain']:.1f} s plain, "
+              f"{slowest['collective']:.1f} s collective")
+        assert slowest["collective"] < slowest["plain"] + 20, (step, slowest)
 
 
 # --- 10. the real all-MiniLM-L6-v2 ---------------------------------------------------------------

@@ -345,6 +345,64 @@ def test_collective_argument_errors():
         TensorMeta.from_json({"shape": [2], "dtype": "bfloat16", "nbytes": 3})
 
 
+@pytest.mark.timeout(60)
+def test_a_blocked_store_wait_holds_up_no_other_threads_request_nor_the_heartbeat(tcp_store):
+    """A private group's rendezvous waits in the store for the members still to come; on the
+    client the process's other threads use, it held up each of their requests until it ended
+    (an ``add`` took the group's whole timeout): under ``PATCHLOAD_TRANSPORT=collective`` with
+    loads in threads, the members the rendezvous waited for waited on those requests (issue 30
+    item 6). The heartbeat, likewise, beats on a client no other request shares."""
+    import threading
+
+    from patchload._config import Config
+    from patchload._topology import Topology
+    from patchload.coordination import beats, protocol
+    from patchload.coordination.store import JobStore
+    from patchload.transport import TransportError, collective
+
+    client = _client(tcp_store.port)
+    errors: list[BaseException] = []
+
+    def rendezvous() -> None:  # member 1 never comes: it waits out its 3 s timeout
+        try:
+            collective.private_group(client, group_rank=0, group_size=2,
+                                     tag=f"lonely-{time.monotonic()}", timeout_s=3)
+        except TransportError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=rendezvous)
+    thread.start()
+    time.sleep(0.5)  # inside its wait for member 1
+    start = time.monotonic()
+    client.add("other-thread", 1)
+    took = time.monotonic() - start
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], TransportError), errors
+    assert took < 1.0, f"an add() behind the rendezvous took {took:.1f} s"
+
+    job = JobStore(client, "agent", threading.RLock())
+    call = protocol.Call("t/heartbeat-client/", "load()", "job",
+                         Topology(0, 2, 0, 2, 0, "torchrun"), Config(), job)
+    assert job.heartbeat_client() is job.heartbeat_client() is not client
+    waiter = threading.Thread(target=_blocked_wait, args=(client,))
+    waiter.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    beats.beat(call, heartbeat=True)
+    took = time.monotonic() - start
+    waiter.join(10)
+    assert took < 1.0, f"a heartbeat beside a wait on the shared client took {took:.1f} s"
+    assert int(tcp_store.add("t/heartbeat-client/beat", 0)) == 1
+
+
+def _blocked_wait(store: dist.Store) -> None:
+    """A wait on ``store`` that times out after 3 s (a key nobody sets)."""
+    try:
+        store.wait(["never-set"], datetime.timedelta(seconds=3))
+    except RuntimeError:  # DistStoreError: the timeout
+        pass
+
+
 def test_plan_splits_large_tensors_and_packs_small_ones():
     from patchload.transport import TensorMeta
     from patchload.transport.collective import _plan

@@ -412,10 +412,10 @@ def test_a_heartbeat_under_way_when_the_call_ends_leaves_no_key(monkeypatch):
 
     real_beat = beats.beat
 
-    def slow_beat(call):
+    def slow_beat(call, **kwargs):
         if threading.current_thread().name == "patchload-heartbeat":
             time.sleep(0.03)
-        real_beat(call)
+        real_beat(call, **kwargs)
 
     monkeypatch.setattr(beats, "beat", slow_beat)
     server, call_of = _two_rank_calls("beats-" + str(time.monotonic()))

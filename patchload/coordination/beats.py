@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Final
 from .identity import node_id, process_alive
 
 if TYPE_CHECKING:
+    from torch.distributed import Store
+
     from .protocol import Call, Role
 
 __all__ = ["JOIN_AT_EXIT_S", "KEEP_BEAT_KEYS", "Heartbeat", "LeaderWatch", "beat", "read_beat",
@@ -40,15 +42,25 @@ KEEP_BEAT_KEYS: Final = 32
 JOIN_AT_EXIT_S: Final = 2.0
 
 
-def beat(call: Call) -> None:
+def beat(call: Call, *, heartbeat: bool = False) -> None:
     """Leader: bump the beat counter of ``call`` and set the key of its new value (waking the
-    followers blocked on it); drop an old beat key, so the keys stay bounded. Not collective."""
-    store = call.store
-    with store.lock:
-        n = store.store.add(call.key + "beat", 1)
-        store.store.set(call.key + f"beat/{n}", "")
-        if n > KEEP_BEAT_KEYS:
-            store.store.delete_key(call.key + f"beat/{n - KEEP_BEAT_KEYS}")
+    followers blocked on it); drop an old beat key, so the keys stay bounded. Not collective.
+
+    ``heartbeat``: the caller is the :class:`Heartbeat` thread, which beats on a client of its
+    own (:meth:`~patchload.coordination.store.JobStore.heartbeat_client`), never one that
+    another thread's request may hold up; else the shared client, under ``call.store.lock``."""
+    if heartbeat:
+        _beat_on(call.store.heartbeat_client(), call)
+        return
+    with call.store.lock:
+        _beat_on(call.store.store, call)
+
+
+def _beat_on(client: Store, call: Call) -> None:
+    n = client.add(call.key + "beat", 1)
+    client.set(call.key + f"beat/{n}", "")
+    if n > KEEP_BEAT_KEYS:
+        client.delete_key(call.key + f"beat/{n - KEEP_BEAT_KEYS}")
 
 
 def read_beat(call: Call) -> int:
@@ -65,7 +77,8 @@ def wait_beat(call: Call, seen: int, timeout_s: float) -> None:
 
 class Heartbeat:
     """One daemon thread per process that beats (:func:`beat`) every call it leads, once per
-    ``PATCHLOAD_HEARTBEAT`` period.
+    ``PATCHLOAD_HEARTBEAT`` period, on a store client of its own: no other thread's request
+    (a wait in the store above all) can delay a beat past the followers' patience.
 
     Stopped and joined at interpreter exit: a daemon thread still inside a store call when the
     interpreter finalizes is killed while unwinding C++ frames, which aborts the whole process
@@ -134,7 +147,7 @@ class Heartbeat:
                         if call.key not in self._calls:
                             continue
                     try:
-                        beat(call)
+                        beat(call, heartbeat=True)
                     except Exception as err:  # noqa: BLE001 - a store hiccup must not kill it
                         logger.warning("heartbeat for %s failed: %s", call.key, err)
         return True

@@ -2,13 +2,29 @@
 
 ``PATCHLOAD_DOWNLOAD_SCOPE=auto`` picks ``job`` when every node sees the same hub cache directory
 (a shared filesystem) and ``node`` otherwise. On one node, or with a node-local store, it is
-``node``. With several nodes the job decides once, through the store:
+``node``. With several nodes the job decides once per hub cache path, through the store, and
+**no rank ever waits for another to decide** (a rank 0 that makes no patched call, or a node
+blocked in the user's own collective, costs nobody anything):
 
-1. rank 0 writes a marker file named with a fresh per-job nonce into its cache, then publishes
-   the nonce (a marker left by an earlier job never counts: its nonce differs);
-2. every other rank looks for that file in its own cache and adds its node's answer;
-3. rank 0 combines the nodes' answers (waiting at most ``PATCHLOAD_SCOPE_WAIT`` seconds for
-   them) into one decision key that every rank reads: ``job`` only when every node saw the marker.
+1. **Markers.** One rank of each node shows its node's view of the cache: it creates a marker
+   file named with a fresh nonce in its cache (``.patchload-scope-<nonce>``, removed at its
+   exit), then publishes the nonce under ``scope/<cache>/node/<n>`` (first come: the other
+   ranks of the node find it published and write none). It does so as soon as it can: when
+   huggingface_hub is imported (under torchrun, whose agent store exists from the start), else
+   at its first patched call.
+2. **Decision.** The first rank to make a patched call decides at once, from what it can see
+   itself: ``job`` when every node has published a nonce and every such marker is in this
+   rank's own cache (each node wrote it into its cache, so theirs is this folder); otherwise
+   ``node`` (a node that has not shown its cache yet is not known to share it). It publishes
+   the decision with ``compare_set`` under ``scope/<cache>/decision``: the first decision
+   published is the job's, read by every later rank (one store request, no wait), so the
+   ranks that share a call agree on its scope.
+
+``node`` is always correct (each node downloads into its own view of the cache, which a shared
+cache only makes cheaper), and ``job`` is only decided on evidence that the nodes share the
+folder; a follower's verification would catch a wrong ``job`` anyway (it reruns the leader's
+hub calls from its own cache and makes a plain call when they differ). A marker left by an
+earlier job never counts: its nonce is not in this job's store.
 
 An explicit ``job`` on a node-local store (no store spans the nodes) falls back to ``node`` with a
 warning: each node then downloads once into its own view of the cache.
@@ -18,10 +34,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import json
 import logging
 import os
-import time
+import threading
 import uuid
 from pathlib import Path
 from typing import Final
@@ -30,13 +47,14 @@ from .._config import Config
 from .._topology import Topology
 from .store import JobStore
 
-__all__ = ["download_scope"]
+__all__ = ["announce_when_hub_imported", "download_scope"]
 
 logger = logging.getLogger(__name__)
 
-_POLL_S: Final = 0.05
 _DECIDED: dict[str, str] = {}
+_SHOWN: set[str] = set()  # cache paths whose node marker this process published or found
 _WARNED: set[str] = set()
+_LOCK: Final = threading.Lock()
 
 
 def _hub_cache() -> Path:
@@ -51,8 +69,8 @@ def _remove(path: Path) -> None:
 
 
 def _write_marker(cache: Path, nonce: str) -> Path:
-    """Rank 0: create the marker ``.patchload-scope-<nonce>`` in ``cache`` (mode 0600, never
-    through a symlink) and remove it at exit."""
+    """Create the marker ``.patchload-scope-<nonce>`` in ``cache`` (mode 0600, never through a
+    symlink) and remove it at exit."""
     marker = cache / f".patchload-scope-{nonce}"
     cache.mkdir(parents=True, exist_ok=True)
     fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -61,68 +79,78 @@ def _write_marker(cache: Path, nonce: str) -> Path:
     return marker
 
 
-def _wait_key(store: JobStore, key: str, wait_s: float) -> str | None:
-    deadline = time.monotonic() + wait_s
-    while True:
-        with store.lock:
-            if store.store.check([key]):
-                return str(json.loads(store.store.get(key)))
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(_POLL_S)
+def _keys(cache: Path) -> str:
+    """The store key prefix of decisions about ``cache`` (by its path: ranks with another path
+    never share a call with this one's, whatever the scope)."""
+    return f"scope/{hashlib.sha1(str(cache).encode()).hexdigest()[:16]}/"
 
 
-def _decide(topology: Topology, store: JobStore, wait_s: float) -> str:
-    """Rank 0: wait for every other node's answer, then publish the job's decision."""
-    deadline = time.monotonic() + wait_s
-    others = [n for n in range(topology.num_nodes) if n != topology.node]
-    while True:
-        with store.lock:
-            answered = [n for n in others if store.store.check([f"scope/answer/{n}"])]
-            missing = [n for n in others if store.store.add(f"scope/miss/{n}", 0) > 0]
-        if missing or len(answered) == len(others) or time.monotonic() > deadline:
-            break
-        time.sleep(_POLL_S)
-    decision = "job" if len(answered) == len(others) and not missing else "node"
-    if len(answered) < len(others) and not missing:
-        logger.warning("[rank %d] nodes %s did not report within %.0f s whether they see this "
-                       "node's hub cache (PATCHLOAD_SCOPE_WAIT): downloads per node",
-                       topology.rank, sorted(set(others) - set(answered)), wait_s)
+def _show(topology: Topology, store: JobStore, cache: Path) -> None:
+    """Publish this node's marker for ``cache`` unless this process or another rank of its node
+    already did. Not collective; never waits (two store requests at most)."""
+    if str(cache) in _SHOWN:
+        return
+    key = _keys(cache) + f"node/{topology.node}"
     with store.lock:
-        store.store.set("scope/decision", json.dumps(decision))
-    return decision
-
-
-def _detect(topology: Topology, store: JobStore, config: Config) -> str:
-    cache = _hub_cache()
-    wait_s = config.scope_wait_s
-    if topology.rank == 0:
+        shown = store.store.check([key])
+    if not shown:
         nonce = uuid.uuid4().hex
-        _write_marker(cache, nonce)
+        marker = _write_marker(cache, nonce)
         with store.lock:
-            store.store.set("scope/nonce", json.dumps(nonce))
-        return _decide(topology, store, wait_s)
-    nonce = _wait_key(store, "scope/nonce", wait_s)
-    if nonce is None:
-        logger.warning("[rank %d] rank 0 did not announce its hub cache within %.0f s "
-                       "(PATCHLOAD_SCOPE_WAIT): downloads per node", topology.rank, wait_s)
-        with store.lock:  # rank 0 may still decide: not for a job scope this node left
-            store.store.add(f"scope/miss/{topology.node}", 1)
-        return "node"
+            held = json.loads(store.store.compare_set(key, "", json.dumps(nonce)))
+        if held != nonce:  # another rank of this node was first: its marker stands
+            _remove(marker)
+    _SHOWN.add(str(cache))
+
+
+def _decide(topology: Topology, store: JobStore, cache: Path) -> tuple[str, str]:
+    """This rank's decision from what it sees now: (scope, why). Not collective; never waits."""
+    prefix = _keys(cache)
+    unseen, elsewhere = [], []
     with store.lock:
-        if not (cache / f".patchload-scope-{nonce}").exists():
-            store.store.add(f"scope/miss/{topology.node}", 1)
-        store.store.set(f"scope/answer/{topology.node}", "1")
-    decision = _wait_key(store, "scope/decision", wait_s)
-    if decision is None:
-        logger.warning("[rank %d] rank 0 did not publish the download scope within %.0f s "
-                       "(PATCHLOAD_SCOPE_WAIT): downloads per node", topology.rank, wait_s)
-        return "node"
-    return decision
+        for node in range(topology.num_nodes):
+            key = prefix + f"node/{node}"
+            if not store.store.check([key]):
+                unseen.append(node)
+                continue
+            nonce = json.loads(store.store.get(key))
+            if not (cache / f".patchload-scope-{nonce}").exists():
+                elsewhere.append(node)
+    if elsewhere:
+        return "node", (f"{_nodes(elsewhere)} wrote a marker into a hub cache that is not this "
+                        "one: the nodes do not share one hub cache")
+    if unseen:
+        return "node", (f"{_nodes(unseen)} had shown no hub cache yet (no import of "
+                        "huggingface_hub or patched call there so far): not known to share this "
+                        "one")
+    return "job", f"all {topology.num_nodes} nodes showed a marker in this one hub cache"
+
+
+def _nodes(nodes: list[int]) -> str:
+    """``node 1`` or ``nodes 1, 2``."""
+    return ("node " if len(nodes) == 1 else "nodes ") + ", ".join(str(n) for n in nodes)
+
+
+def _detect(topology: Topology, store: JobStore, cache: Path) -> tuple[str, str]:
+    """The job's decision for ``cache``: published already, or this rank's, published now."""
+    key = _keys(cache) + "decision"
+    with store.lock:
+        if store.store.check([key]):
+            decided = json.loads(store.store.get(key))
+            return decided["scope"], f"decided by rank {decided['rank']}: {decided['why']}"
+    _show(topology, store, cache)
+    scope, why = _decide(topology, store, cache)
+    mine = json.dumps({"scope": scope, "why": why, "rank": topology.rank})
+    with store.lock:
+        decided = json.loads(store.store.compare_set(key, "", mine))
+    if decided["rank"] == topology.rank:
+        return scope, f"decided by this rank: {why}"
+    return decided["scope"], f"decided by rank {decided['rank']}: {decided['why']}"
 
 
 def download_scope(config: Config, topology: Topology, store: JobStore) -> str:
-    """The download scope for this rank: ``node`` or ``job``. Not collective; bounded.
+    """The download scope for this rank: ``node`` or ``job``. Not collective; never waits for
+    another rank (at most a few store requests, at this process's first call per hub cache).
 
     Args:
         config: ``config.download_scope`` is ``auto``, ``node`` or ``job``.
@@ -131,9 +159,8 @@ def download_scope(config: Config, topology: Topology, store: JobStore) -> str:
 
     Returns:
         ``node`` on one node and with a node-local store (an explicit ``job`` there warns once);
-        else ``config.download_scope`` unless ``auto``; with ``auto``, the job's decision (made
-        once per process and hub cache; see the module docstring), waiting at most
-        ``PATCHLOAD_SCOPE_WAIT`` seconds for it.
+        else ``config.download_scope`` unless ``auto``; with ``auto``, the job's decision (see
+        the module docstring), read or made once per process and hub cache.
     """
     if topology.num_nodes == 1:
         return "node"
@@ -146,10 +173,41 @@ def download_scope(config: Config, topology: Topology, store: JobStore) -> str:
         return "node"
     if config.download_scope != "auto":
         return config.download_scope
-    key = str(_hub_cache())
-    if key not in _DECIDED:
-        _DECIDED[key] = _detect(topology, store, config)
-        logger.info("[rank %d] download scope %s (auto: the job decided that the nodes %s one "
-                    "hub cache)", topology.rank, _DECIDED[key],
-                    "share" if _DECIDED[key] == "job" else "do not share")
-    return _DECIDED[key]
+    cache = _hub_cache()
+    with _LOCK:
+        if str(cache) not in _DECIDED:
+            scope, why = _detect(topology, store, cache)
+            _DECIDED[str(cache)] = scope
+            logger.info("[rank %d] download scope %s (auto: %s)", topology.rank, scope, why)
+        return _DECIDED[str(cache)]
+
+
+def announce_when_hub_imported() -> None:
+    """Show this node's hub cache (step 1 of the module docstring) as soon as huggingface_hub
+    is imported, so that the job's first decision, whoever makes it, sees every node that got
+    that far. Only under torchrun's agent store (the one job-wide store that exists before any
+    call; no store is opened otherwise), with several nodes and ``auto``. Not collective; never
+    raises (a failure is a DEBUG line: the rank's first call shows the cache instead)."""
+    import sys
+
+    import wrapt
+
+    def hook(module: object) -> None:
+        from .. import _state
+        from .._topology import current_topology
+        from .store import _kind, job_store
+
+        try:
+            topology = current_topology()
+            if (not _state.active() or _state.config().download_scope != "auto"
+                    or topology.num_nodes == 1 or _kind() != "agent"):
+                return
+            with _LOCK:
+                _show(topology, job_store(), _hub_cache())
+        except Exception as err:  # noqa: BLE001 - an early courtesy; the first call retries
+            logger.debug("showing this node's hub cache at import failed: %s", err)
+
+    if "huggingface_hub.constants" in sys.modules:
+        hook(sys.modules["huggingface_hub.constants"])
+    else:
+        wrapt.register_post_import_hook(hook, "huggingface_hub.constants")

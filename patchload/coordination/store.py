@@ -60,8 +60,11 @@ class JobStore:
         store: the ``PrefixStore``-wrapped store; keys are patchload's own.
         kind: ``agent`` (torchrun's TCPStore), ``process_group`` (the default group's store) or
             ``file`` (node-local ``FileStore``; coordinates one node only).
-        lock: serialises this process's use of ``store`` across threads (the heartbeat thread
-            shares it with the caller's thread).
+        lock: serialises this process's use of ``store`` across threads. Only short,
+            non-blocking requests go through ``store``: every blocking wait has a client of its
+            own (:meth:`wait_for`; a private group's rendezvous, see
+            :func:`patchload.transport.collective.private_group`), and so has the heartbeat
+            (:meth:`heartbeat_client`).
         file: the node-local store's file (kind ``file`` only).
     """
 
@@ -70,6 +73,7 @@ class JobStore:
     lock: threading.RLock
     file: Path | None = None
     _idle: list[Store] = field(default_factory=list, repr=False)
+    _heartbeat: Store | None = field(default=None, repr=False)
 
     @property
     def node_local(self) -> bool:
@@ -109,11 +113,25 @@ class JobStore:
             self._idle.append(client)
         return found
 
+    def heartbeat_client(self) -> Store:
+        """The client of the store that the heartbeat thread alone uses (a ``clone()`` of
+        ``store``, made at its first use), not under ``lock``: a beat never queues behind
+        another thread's request. Not collective.
+
+        Raises:
+            RuntimeError: the store was closed, or cannot be reached.
+        """
+        with _CACHE_LOCK:
+            if self._heartbeat is None:
+                self._heartbeat = self.store.clone()
+            return self._heartbeat
+
     def close(self) -> None:
         """Destroy this process's clients of the store (at exit); any later use raises
         ``RuntimeError``. Not collective."""
         with self.lock, _CACHE_LOCK:
             self._idle.clear()
+            self._heartbeat = None
             self.store = _ClosedStore()  # type: ignore[assignment]
 
 

@@ -117,8 +117,10 @@ def private_group(
 
     Every member calls it with the same ``tag``, ``group_size`` and ``backend`` and its own
     ``group_rank``; it returns once all members have connected (rendezvous through
-    ``PrefixStore("patchload/pg/<tag>", store)``). The default process group is neither required
-    nor used: this works with or without ``torch.distributed.init_process_group``.
+    ``PrefixStore("patchload/pg/<tag>", store.clone())``: a client of the group's own, so that
+    its blocking waits never hold up other threads' requests on ``store``). The default process
+    group is neither required nor used: this works with or without
+    ``torch.distributed.init_process_group``.
 
     gloo is built with ``ProcessGroupGloo(store, rank, size, timeout)``, which picks its network
     interface like ``init_process_group`` does (``GLOO_SOCKET_IFNAME``, else the address the
@@ -141,7 +143,8 @@ def private_group(
     Raises:
         ValueError: a bad argument (the message lists the accepted values).
         TransportTimeout: not all members connected within ``timeout_s``.
-        TransportError: the backend failed to connect, or NCCL is not available.
+        TransportError: the backend failed to connect (or the store to clone its client), or
+            NCCL is not available.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not valid: accepted values are {BACKENDS}")
@@ -154,11 +157,14 @@ def private_group(
     if not timeout_s > 0:
         raise ValueError(f"timeout_s ({timeout_s!r}) must be > 0 seconds")
 
-    prefix_store = dist.PrefixStore(f"{STORE_PREFIX}/{tag}", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     where = f"[group rank {group_rank}/{group_size}, tag {tag!r}]"
     started = time.monotonic()
     try:
+        # A client of its own: the rendezvous blocks in the store until every member has come,
+        # and a blocked request holds up every other request on its client (this process's
+        # other threads', their heartbeat's), which may be what the missing members wait for.
+        prefix_store = dist.PrefixStore(f"{STORE_PREFIX}/{tag}", store.clone())
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(prefix_store, group_rank, group_size, timeout)
         else:

@@ -10,6 +10,10 @@ Usage: ``load.py --cases a,b,... [--extras] [--rank0-tail] [--reference]``
 * ``--rank0-tail``: at the end, every rank but 0 exits; rank 0 alone loads one more model.
 * ``--reference``: world size 1 with ``PATCHLOAD=0``: run the cases of every rank (the mismatch
   case differs by rank) plus the SGD step, as the plain-load reference.
+* ``--concurrent a,b,c --rounds R``: R steps ``concurrent-<i>``, each loading every listed repo
+  (``AutoModelForCausalLM``) at once, the first in the main thread and each other one in a
+  thread of its own (user code loading several models concurrently); ``record["repos"][repo]``
+  holds each load's fingerprint (or error) and time.
 """
 
 from __future__ import annotations
@@ -81,6 +85,31 @@ def _load_case(report: dict, barrier: _common.Barrier, counter: _common.Safetens
         record["error"] = result["error"]
 
 
+def _concurrent(report: dict, barrier: _common.Barrier, repos: list[str], rounds: int) -> None:
+    """Each round: every repo loaded at once (the first in this thread, the others each in a
+    thread of its own), one step."""
+    import threading
+
+    for number in range(rounds):
+        with _common.step(report, f"concurrent-{number}", barrier) as record:
+            results: dict[str, dict] = {}
+
+            def load(repo: str) -> None:
+                result = _common.attempt(lambda: AutoModelForCausalLM.from_pretrained(repo))
+                if result["ok"]:
+                    result["fingerprint"] = _common.fingerprint(result.pop("value"))
+                results[repo] = result
+
+            threads = [threading.Thread(target=load, args=(repo,), name=f"load-{repo}")
+                       for repo in repos[1:]]
+            for thread in threads:
+                thread.start()
+            load(repos[0])
+            for thread in threads:
+                thread.join()
+            record["repos"] = results
+
+
 def _tied(model: object) -> bool | None:
     """``lm_head.weight is input embedding weight`` for causal LMs, else None."""
     head = getattr(model, "lm_head", None)
@@ -135,6 +164,8 @@ def body(report: dict) -> None:
     parser.add_argument("--rank0-tail", action="store_true")
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--minilm", action="store_true")
+    parser.add_argument("--concurrent", default="")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     report["installed"] = patchload.is_installed()
     report["config"] = repr(patchload.load_config())
@@ -150,6 +181,8 @@ def body(report: dict) -> None:
             _load_case(report, barrier, counter, case, case, RANK)
     if args.minilm:
         _minilm(report, barrier, counter)
+    if args.concurrent:
+        _concurrent(report, barrier, args.concurrent.split(","), args.rounds)
     if args.reference:
         with _common.step(report, "sgd", None) as record:
             record.update(_sgd_step(AutoModelForCausalLM.from_pretrained("org/llama-tied")))
