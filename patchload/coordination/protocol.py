@@ -2,11 +2,12 @@
 
 For one *call key* (function, deciding arguments, occurrence count), the first rank of the scope
 to claim the key in the store (``compare_set``) is the leader: it runs the call and publishes the
-*outcome* as JSON: success with a payload, or its exception (class, message, rank), or that it was
-interrupted (``KeyboardInterrupt``, ``SystemExit``: never passed on as the call's error). The other ranks
-(followers) wait for the outcome, bounded by ``PATCHLOAD_TIMEOUT``, while watching the leader's
-heartbeat and, on the same node, its pid; then they act on the payload or raise the leader's
-exception. Nothing read from the store is ever unpickled or executed.
+*outcome* as JSON: success with a payload, or its exception (class, message, rank), or that it
+was interrupted (``KeyboardInterrupt``, ``SystemExit``: never passed on as the call's error). The
+other ranks (followers) wait for the outcome, bounded by ``PATCHLOAD_TIMEOUT``, while watching
+the leader's heartbeat and, on the same node, its pid; then they act on the payload, raise the
+leader's exception, or (interrupted) make the call plainly. Nothing read from the store is ever
+unpickled or executed. A follower's own interrupt leaves its wait at once, unchanged.
 
 Ranks that call out of step, alone, or with other arguments never wait for a leader that will not
 come: they claim their own key, and a late rank finds the outcome already published.
