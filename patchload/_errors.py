@@ -16,6 +16,7 @@ __all__ = [
     "PatchloadError",
     "ConfigError",
     "LeaderFailedError",
+    "LeaderInterruptedError",
     "PatchloadTimeout",
     "PatchConflictError",
     "describe_exception",
@@ -82,6 +83,23 @@ class LeaderFailedError(PatchloadError):
         super().__init__(message, rank=rank)
         self.leader_rank = leader_rank
         self.cause = cause
+
+
+class LeaderInterruptedError(LeaderFailedError):
+    """The leader's call was interrupted (``KeyboardInterrupt``, ``SystemExit``,
+    ``GeneratorExit``: the leader's process is stopping, not an error of the call), so it has no
+    outcome to pass on. A follower that waited for it makes the call plainly instead (see
+    :meth:`patchload.coordination.call._Coordinated.interrupted`); where that cannot be
+    (``main_process_first``), it raises this, as for a leader that died.
+
+    Attributes:
+        interrupted: the class name of what interrupted the leader, e.g. ``KeyboardInterrupt``.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, leader_rank: int | None = None,
+                 cause: str = "", interrupted: str = "") -> None:
+        super().__init__(message, rank=rank, leader_rank=leader_rank, cause=cause)
+        self.interrupted = interrupted
 
 
 class PatchloadTimeout(PatchloadError, TimeoutError):

@@ -71,8 +71,14 @@ def read_beat(call: Call) -> int:
 def wait_beat(call: Call, seen: int, timeout_s: float) -> None:
     """Follower: block until the beat after ``seen`` (the leader's next heartbeat or change),
     at most ``timeout_s`` seconds. One store request; does not hold ``call.store.lock`` while
-    blocked (its own store client). Returns on timeout too; the caller decides what it means."""
-    call.store.wait_for(call.key + f"beat/{seen + 1}", timeout_s)
+    blocked (its own store client). Returns on timeout too; the caller decides what it means.
+
+    Interruptible (see :meth:`.store.JobStore.wait_for`): a signal handler's exception
+    (``KeyboardInterrupt``, ``SystemExit``) leaves the wait within 0.25 s and propagates
+    unchanged. Its store wait is then ended by a beat of this follower's own (the one way to
+    wake a store wait: set its key): the call's other followers wake once too and wait again,
+    counting it as a sign of the leader's life (their silence clock restarts once)."""
+    call.store.wait_for(call.key + f"beat/{seen + 1}", timeout_s, wake=lambda: beat(call))
 
 
 class Heartbeat:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Iterator
 
 from .. import _state
+from .._errors import LeaderInterruptedError
 from .._topology import current_topology
 from . import protocol as _coordinate
 from .key import Unrenderable, deciding_arguments, digest, process_state
@@ -382,6 +383,11 @@ class _Coordinated:
             if self.settle is not None:
                 result = self.settle(result, mode)
         except BaseException as err:
+            if not isinstance(err, Exception):
+                raise  # this rank's own interrupt (Ctrl-C, SystemExit), unchanged
+            if isinstance(leader.raised, LeaderInterruptedError):
+                # Nothing to abandon: the leader never published a success (no broadcast).
+                return self._plain_after(call, role, leader.raised, rng)
             if leader.raised is not None:
                 if self.abandon is not None and _leader_succeeded(mode):
                     # It timed out, then the leader published: leave its broadcast.
@@ -389,19 +395,28 @@ class _Coordinated:
                 # As the view raised it: transformers turns an error inside a hub call into an
                 # OSError of its own.
                 raise leader.raised from None
-            if not isinstance(err, Exception):
-                raise
             if not _leader_succeeded(mode):
+                if isinstance(leader.raised, LeaderInterruptedError):
+                    return self._plain_after(call, role, leader.raised, rng)
                 if leader.failed_early():  # the leader's error, as on a rank that waited for it
                     raise leader.raised from None
                 raise
             if self.abandon is not None:
                 self.abandon(mode)  # e.g. a broadcast this rank is a member of
-            self.did = (f"followed rank {role.leader_rank}, then made the call plainly "
-                        f"({type(err).__name__})")
             return self._plain_after(call, role, err, rng)
         self.did = f"followed rank {role.leader_rank}: no request" + _weights_note(mode)
         return result
+
+    def interrupted(self, call: _coordinate.Call, role: _coordinate.Role,
+                    err: LeaderInterruptedError) -> Any:
+        """Follower whose leader's call was interrupted (its Ctrl-C or SIGTERM) before this
+        rank started its own part: the plain call, as this rank makes without patchload (a
+        plain rank never sees another rank's interrupt). Each such follower makes its own
+        requests: a new attempt led by one of them would make fewer, but the followers of a
+        model load already run their own part (:func:`leader_first`'s ``early``) and would
+        have to start it again under the new leader; an interrupt is rare, and equality with
+        the plain call is what counts."""
+        return self._plain_after(call, role, err, _rng_state())
 
     def _check_local(self, mode: Mode) -> None:
         # A model load's leader announces them with its files: its followers check them then,
@@ -430,6 +445,8 @@ class _Coordinated:
 
     def _plain_after(self, call: _coordinate.Call, role: _coordinate.Role, err: Exception,
                      rng: Any) -> Any:
+        self.did = (f"followed rank {role.leader_rank}, then made the call plainly "
+                    f"({type(err).__name__})")
         logger.warning("%s: cannot use the leader's result on this rank (%s: %s): making the "
                        "call plainly here", call.prefix(role.leader_rank), type(err).__name__,
                        err)
@@ -532,7 +549,8 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     # weights (the outcome) when they need them.
     start = time.monotonic()
     result = _recorded(mode, name, args, kwargs, lambda: _coordinate.leader_first(
-        call, one.lead, one.follow, early=share is not None, idle=idle))
+        call, one.lead, one.follow, early=share is not None, idle=idle,
+        interrupted=one.interrupted))
     if mode is None:  # one line per rank per top-level call
         logger.info("%s %s: %s, in %.2f s", call.prefix(), what, one.did,
                     time.monotonic() - start)

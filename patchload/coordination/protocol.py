@@ -2,10 +2,12 @@
 
 For one *call key* (function, deciding arguments, occurrence count), the first rank of the scope
 to claim the key in the store (``compare_set``) is the leader: it runs the call and publishes the
-*outcome* as JSON: success with a payload, or its exception (class, message, rank). The other ranks
-(followers) wait for the outcome, bounded by ``PATCHLOAD_TIMEOUT``, while watching the leader's
-heartbeat and, on the same node, its pid; then they act on the payload or raise the leader's
-exception. Nothing read from the store is ever unpickled or executed.
+*outcome* as JSON: success with a payload, or its exception (class, message, rank), or that it
+was interrupted (``KeyboardInterrupt``, ``SystemExit``: never passed on as the call's error). The
+other ranks (followers) wait for the outcome, bounded by ``PATCHLOAD_TIMEOUT``, while watching
+the leader's heartbeat and, on the same node, its pid; then they act on the payload, raise the
+leader's exception, or (interrupted) make the call plainly. Nothing read from the store is ever
+unpickled or executed. A follower's own interrupt leaves its wait at once, unchanged.
 
 Ranks that call out of step, alone, or with other arguments never wait for a leader that will not
 come: they claim their own key, and a late rank finds the outcome already published.
@@ -25,7 +27,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Final, Iterator, TypeVar
 
 from .._config import Config
-from .._errors import LeaderFailedError, PatchloadTimeout, describe_exception, follower_exception
+from .._errors import (
+    LeaderFailedError,
+    LeaderInterruptedError,
+    PatchloadTimeout,
+    describe_exception,
+    follower_exception,
+)
 from .._topology import Topology
 from .beats import KEEP_BEAT_KEYS, Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
@@ -371,7 +379,15 @@ def _bytes_under(path: str | None) -> int:
 
 
 def raise_failure(call: Call, role: Role, outcome: dict[str, Any]) -> None:
-    """Raise the leader's published error on a follower (see :func:`follower_exception`)."""
+    """Raise the leader's published error on a follower (see :func:`follower_exception`), or
+    :class:`LeaderInterruptedError` where the leader's call was interrupted (see
+    :func:`leading`)."""
+    if "interrupted" in outcome:
+        what = outcome["interrupted"]
+        cause = f"its call was interrupted ({what}), so it has no outcome"
+        raise LeaderInterruptedError(f"{call.prefix(role.leader_rank)}: the leader failed: {cause}",
+                                     rank=call.topology.rank, leader_rank=role.leader_rank,
+                                     cause=cause, interrupted=what)
     error = outcome["error"]
     raise follower_exception(error, rank=call.topology.rank, leader_rank=role.leader_rank,
                              note=f"{call.prefix(role.leader_rank)} failed on the leader; "
@@ -391,7 +407,8 @@ class LeaderView:
     again.
 
     Attributes:
-        raised: the leader's failure (or its death, or the timeout) this view raised, if any.
+        raised: the leader's failure (or its death, its interrupted call, or the timeout) this
+            view raised, if any; never this rank's own interrupt.
     """
 
     def __init__(self, call: Call, role: Role, idle: Callable[[], None] | None = None) -> None:
@@ -407,15 +424,18 @@ class LeaderView:
         """The leader's success payload, once published.
 
         Raises:
-            The leader's failure (:func:`raise_failure`), :class:`LeaderFailedError`,
-            :class:`PatchloadTimeout`.
+            The leader's failure (:func:`raise_failure`; :class:`LeaderInterruptedError` where
+            its call was interrupted), :class:`LeaderFailedError`, :class:`PatchloadTimeout`.
+            An interrupt of this rank's own (``KeyboardInterrupt``, a signal handler's
+            ``SystemExit``) leaves the wait within 0.25 s, unchanged, and is not recorded in
+            ``raised``.
         """
         try:
             if self._outcome is None:
                 self._outcome = self._wait(None)
             if not self._outcome.get("ok"):
                 raise_failure(self.call, self.role, self._outcome)
-        except BaseException as err:
+        except Exception as err:
             self.raised = err
             raise
         return self._outcome.get("payload") or {}
@@ -444,7 +464,7 @@ class LeaderView:
         if self._outcome is None:
             try:
                 self._outcome = self._wait(ready)
-            except BaseException as err:
+            except Exception as err:  # the leader's; this rank's own interrupt is not
                 self.raised = err
                 raise
         if raising and self._outcome is not None and self.failed_early():
@@ -486,7 +506,13 @@ def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
 
     Yields a function the block calls with its success payload to publish it (followers start
     then, even if the block goes on). An exception leaving the block is published as the failure
-    outcome (unless success was already published) and re-raised.
+    outcome (unless success was already published) and re-raised. A ``BaseException`` that is
+    not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``) is no
+    error of the call but this process stopping: it is published as ``{"ok": False,
+    "interrupted": <class name>}``, never as the call's error, so no follower raises it (a plain
+    rank would not see the leader's Ctrl-C or SIGTERM): followers then make the call plainly
+    (:func:`leader_first`'s ``interrupted``), and a rank arriving later starts a new attempt
+    (:func:`claim`). It is re-raised here unchanged.
     """
     published = False
 
@@ -502,8 +528,12 @@ def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
             done({})
     except BaseException as err:
         if not published:
-            publish(call, {"ok": False, "error": describe_exception(err),
-                           "rank": call.topology.rank})
+            if isinstance(err, Exception):
+                publish(call, {"ok": False, "error": describe_exception(err),
+                               "rank": call.topology.rank})
+            else:
+                publish(call, {"ok": False, "interrupted": type(err).__name__,
+                               "rank": call.topology.rank})
         raise
     finally:
         _HEARTBEAT.remove(call)
@@ -548,7 +578,9 @@ def _delete_keys(call: Call) -> None:
 def leader_first(call: Call,
                  lead: Callable[[Call], tuple[T, dict[str, Any], Callable[[], None] | None]],
                  follow: Callable[[Call, Role, LeaderView], T], *,
-                 early: bool = False, idle: Callable[[], None] | None = None) -> T:
+                 early: bool = False, idle: Callable[[], None] | None = None,
+                 interrupted: Callable[[Call, Role, LeaderInterruptedError], T] | None = None
+                 ) -> T:
     """Run ``lead`` on the call's leader and ``follow`` on every other rank of its scope.
 
     Not collective: each rank returns as soon as its own part is done; the leader never waits for
@@ -567,6 +599,11 @@ def leader_first(call: Call,
             leader ends it (see :meth:`LeaderView.failed_early`).
         idle: run by a follower before it first blocks on the leader: work its own part does
             anyway, done while the leader downloads (an exception from it is raised).
+        interrupted: run by a follower in place of ``follow`` when the leader's call was
+            interrupted (:func:`leading`) before ``follow`` started (None: raise the
+            :class:`LeaderInterruptedError`); with ``early``, ``follow`` sees it itself, in
+            :attr:`LeaderView.raised`. A follower's own interrupt leaves its wait within 0.25 s
+            and propagates unchanged, after its ``done`` and ``finished`` marks.
 
     Returns:
         What ``lead`` or ``follow`` returned on this rank.
@@ -600,7 +637,12 @@ def leader_first(call: Call,
     leader = LeaderView(call, role, idle)
     try:
         if not early:
-            leader.payload()  # waits for the outcome; raises the leader's failure
+            try:
+                leader.payload()  # waits for the outcome; raises the leader's failure
+            except LeaderInterruptedError as err:
+                if interrupted is None:
+                    raise
+                return interrupted(call, role, err)
         return follow(call, role, leader)
     finally:
         with call.store.lock:

@@ -31,7 +31,7 @@ import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Iterator
+from typing import TYPE_CHECKING, Callable, Final, Iterator
 
 from .identity import job_id, node_id, process_alive
 
@@ -80,7 +80,8 @@ class JobStore:
         """True when only the ranks of this node share the store."""
         return self.kind == "file"
 
-    def wait_for(self, key: str, timeout_s: float) -> bool:
+    def wait_for(self, key: str, timeout_s: float, *,
+                 wake: Callable[[], None] | None = None) -> bool:
         """Block until ``key`` exists, at most ``timeout_s`` seconds: one server-side ``wait``
         (``torch.distributed.Store.wait``), not a poll. Not collective.
 
@@ -88,10 +89,54 @@ class JobStore:
         under ``lock``: a blocked wait on the shared client would hold up this process's other
         threads (the heartbeat among them).
 
+        Interruptible on the main thread: a thread blocked in the store's C++ wait runs no
+        Python signal handler until the wait returns (a Ctrl-C, or a SIGTERM handler raising
+        ``SystemExit``, would wait for the leader's next beat or the bound). There the wait
+        runs on a helper thread while the caller waits for it on a ``threading.Event`` in
+        slices of at most ``_SLICE_S`` (0.25 s; no store request), so a pending handler runs
+        within one slice. An exception raised meanwhile (``KeyboardInterrupt``,
+        ``SystemExit``, whatever a handler raises) propagates unchanged, after ``wake`` (if
+        given: it makes the store wait return, e.g. by setting ``key``) and a join of the
+        helper of at most ``_WAKE_JOIN_S`` (1 s). A helper still waiting then (no ``wake``) is
+        joined at interpreter exit, at most until its own bound: a thread still inside a store
+        request when the interpreter finalizes aborts the process.
+
         Returns:
             Whether the key exists (False: the wait timed out, or the store failed; a store that
             fails at once is not retried sooner than the bound or 1 s, so callers never spin).
         """
+        if threading.current_thread() is not threading.main_thread():
+            return self._wait_for(key, timeout_s)  # signal handlers run on the main thread only
+        found = [False]
+        finished = threading.Event()
+
+        def run() -> None:
+            try:
+                found[0] = self._wait_for(key, timeout_s)
+            finally:
+                finished.set()
+                with _CACHE_LOCK:
+                    _WAITERS.pop(threading.current_thread(), None)
+
+        helper = threading.Thread(target=run, name="patchload-store-wait", daemon=True)
+        with _CACHE_LOCK:
+            _WAITERS[helper] = time.monotonic() + timeout_s
+        helper.start()
+        try:
+            while not finished.wait(_SLICE_S):
+                pass
+        except BaseException:
+            if wake is not None:
+                try:
+                    wake()
+                except Exception as err:  # noqa: BLE001 - the helper then ends at its bound
+                    logger.debug("waking the wait for store key %s failed: %s", key, err)
+            helper.join(_WAKE_JOIN_S)
+            raise
+        return found[0]
+
+    def _wait_for(self, key: str, timeout_s: float) -> bool:
+        """:meth:`wait_for` on the calling thread (blocks signal handlers while it waits)."""
         from datetime import timedelta
 
         with _CACHE_LOCK:
@@ -142,6 +187,11 @@ _CACHE: dict[tuple[str, int], JobStore] = {}
 _PG_CACHE: weakref.WeakKeyDictionary[Store, JobStore] = weakref.WeakKeyDictionary()
 _CACHE_LOCK = threading.Lock()
 _PG_LOCK = threading.RLock()
+# Helper threads of interrupted store waits (JobStore.wait_for) -> when their wait ends
+# (time.monotonic()): joined at exit, before the stores close.
+_WAITERS: dict[threading.Thread, float] = {}
+_SLICE_S: Final = 0.25
+_WAKE_JOIN_S: Final = 1.0
 
 
 @atexit.register
@@ -149,7 +199,12 @@ def _drop_stores() -> None:
     # Close store clients while the interpreter is whole, not during its finalization, where
     # destroying torch's C++ objects in an arbitrary order can abort the process. Registered
     # when this module is imported, so it runs after the exit hooks of the threads that use
-    # the store (atexit runs hooks last-registered first).
+    # the store (atexit runs hooks last-registered first). First the helpers of interrupted
+    # waits still in theirs (JobStore.wait_for), each until its own bound.
+    with _CACHE_LOCK:
+        waiters = list(_WAITERS.items())
+    for helper, until in waiters:
+        helper.join(max(0.0, until - time.monotonic()) + 0.5)
     with _CACHE_LOCK:
         mine = [job for (_, pid), job in _CACHE.items() if pid == os.getpid()]
         _CACHE.clear()

@@ -730,7 +730,7 @@ class LoopbackHub:
         self._log_path = Path(log_path) if log_path is not None else None
         self._lock = threading.Lock()
         self._repos: dict[tuple[str, str], _Repo] = {}
-        self._faults: list[list[Any]] = []  # [fault, uses_left (int | None)]
+        self._faults: list[list[Any]] = []  # [fault, uses_left (int | None), hits]
         self._requests: list[Request] = []
         self._in_flight = 0
         self._idle = threading.Condition(self._lock)
@@ -869,8 +869,15 @@ class LoopbackHub:
         if not isinstance(fault, Fault):
             raise TypeError("add_fault expects a Fault, got %r" % (fault,))
         with self._lock:
-            self._faults.append([fault, fault.times])
+            self._faults.append([fault, fault.times, 0])
         return fault
+
+    def fault_hits(self, fault: Fault) -> int:
+        """How many requests ``fault`` (as passed to :meth:`add_fault`) applied to so far,
+        counted when it is applied: a request it stalls counts while still stalled (the
+        request log records a request only once its response ended)."""
+        with self._lock:
+            return sum(entry[2] for entry in self._faults if entry[0] is fault)
 
     def clear_faults(self) -> None:
         """Removes every fault."""
@@ -935,12 +942,13 @@ class LoopbackHub:
                     rank: int | None) -> Fault | None:
         with self._lock:
             for entry in self._faults:
-                fault, left = entry
+                fault, left, _ = entry
                 if left is not None and left <= 0:
                     continue
                 if fault._matches(repo_id=repo_id, match_path=match_path, method=method, rank=rank):
                     if left is not None:
                         entry[1] = left - 1
+                    entry[2] += 1
                     return fault
         return None
 

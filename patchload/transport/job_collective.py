@@ -37,15 +37,24 @@ logger = logging.getLogger(__name__)
 
 def _members(call: Call, expected: int) -> list[int]:
     """The followers that arrived at ``call`` within the arrival window (all ``expected`` of
-    them, or fewer once it is over) and whose process is alive (one on this node that died
-    while waiting is left out: the group would wait for it until its timeout)."""
+    them, or fewer once it is over), are not done with it already (one interrupted while it
+    waited left it) and whose process is alive (one on this node that died while waiting is
+    left out: the group would wait for it until its timeout)."""
     if expected > 0:
-        call.store.wait_for(call.key + "arrivals/all", call.config.arrival_window_s)
+        call.store.wait_for(call.key + "arrivals/all", call.config.arrival_window_s,
+                            wake=lambda: _set(call, "arrivals/all"))
     ranks = [r for r in range(call.topology.world_size) if r != call.topology.rank]
     with call.store.lock:
         present = {r: json.loads(call.store.store.get(call.key + f"arrived/{r}"))
-                   for r in ranks if call.store.store.check([call.key + f"arrived/{r}"])}
+                   for r in ranks if call.store.store.check([call.key + f"arrived/{r}"])
+                   and not call.store.store.check([call.key + f"done/{r}"])}
     return [r for r, who in present.items() if process_alive(who["node"], int(who["pid"]))]
+
+
+def _set(call: Call, name: str) -> None:
+    """Set the key ``name`` of ``call`` (ends a wait for it)."""
+    with call.store.lock:
+        call.store.store.set(call.key + name, "")
 
 
 def share_collective(call: Call, tensors: list[torch.Tensor]
