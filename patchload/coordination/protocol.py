@@ -7,8 +7,10 @@ to claim the key in the store (``compare_set``) is the leader: it runs the call 
 heartbeat and, on the same node, its pid; then they act on the payload or raise the leader's
 exception. Nothing read from the store is ever unpickled or executed.
 
-Ranks that call out of step, alone, or with other arguments never wait for a leader that will not
-come: they claim their own key, and a late rank finds the outcome already published.
+The scope's rank 0 leads every call it makes, however late it comes; a rank that calls out of
+step, alone, or with other arguments never waits for a rank 0 that shows it will not come (it
+made another call at that point, is blocked in a collective of the user's, exited, or holds
+another cache or token): see :mod:`.rank0`. A late rank finds the outcome already published.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    after). Otherwise it reads the entry rank 0 publishes at the position where K belongs: its
    last call that rank 0 also made, at rank 0's position a and its own b, puts K at rank 0's
    ``a + (j - b)`` (so calls one rank makes alone shift nothing after the next shared call).
-   An entry with another key there: rank 0 passed that position with another call, it claims at
-   once (results are equal whoever leads). No entry yet: rank 0 is behind, and it waits.
+   An entry with another key there (past the keys this process calls too, from other threads
+   or in another order): rank 0 passed that position with another call, it claims at once
+   (results are equal whoever leads). No entry yet: rank 0 is behind, and it waits.
 3. **Rank 0 shows it will not come.** Rank 0 also publishes ``ranks/<r>/state``: its pid and
    node, its process-level key parts (hub endpoint, offline mode, credentials digest, default
    hub cache), and while it lasts more than 0.2 s that it is blocked in one of the user's
@@ -233,6 +234,9 @@ class _State:
                 showing = state["blocked"] is not None or state["following"]
                 if (all(shown == state for shown in self._shown.values())
                         and (self._shown or not showing)):
+                    if not self._entries:  # nothing to time: the thread ends (enter restarts it)
+                        self._thread = None
+                        return
                     self._cond.wait(timeout=min(pending) + 0.005 if pending else None)
                     continue
             self._write()
@@ -327,6 +331,11 @@ class _Anchor:
 
 
 _ANCHORS: dict[str, _Anchor] = collections.defaultdict(_Anchor)
+# Per sequence, the keys of this process's latest calls: rank 0's entry holding one of them is a
+# call this process makes too, from another thread or in another order, not a call passed by.
+_PLACED: dict[str, collections.OrderedDict[str, None]] = collections.defaultdict(
+    collections.OrderedDict)
+_PLACED_MAX: Final = 256
 
 
 def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None) -> Call:
@@ -345,20 +354,24 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None) -> C
     with _LOCK:
         _POSITIONS[sequence] += 1
         position = _POSITIONS[sequence]
+        placed = _PLACED[sequence]
+        placed[call.key] = None
+        while len(placed) > _PLACED_MAX:
+            placed.popitem(last=False)
     facts = facts or {}
-    placed = dataclasses.replace(call, placement=Placement(
+    call = dataclasses.replace(call, placement=Placement(
         sequence, position, tuple(sorted(facts.items()))))
     if call.config.claim_grace_s <= 0:
-        return placed
+        return call
     try:
         if call.topology.rank == scope_rank0(call):
-            _publish(placed, facts)
+            _publish(call, facts)
         if "__credentials__" in facts:
-            _report_credentials(placed, facts["__credentials__"])
+            _report_credentials(call, facts["__credentials__"])
     except Exception as err:  # noqa: BLE001 - see the docstring
         logger.debug("%s: publishing call %d of %s failed: %s", call.prefix(), position,
                      sequence, err)
-    return placed
+    return call
 
 
 def _publish(call: Call, facts: dict[str, str]) -> None:
@@ -439,7 +452,6 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> None:
     if placement is not None:
         anchor = _reanchor(store, placement.sequence)
         expected = anchor.theirs + (placement.position - anchor.mine)
-        at_key = f"seq/{placement.sequence}/{expected}"
     while True:
         if matched:
             with store.lock:
@@ -448,9 +460,21 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> None:
         else:
             with store.lock:
                 found = _read(store, f"seqkey/{base}")
-                at = _read(store, at_key) if found is None else None
-            if found is not None or at == base:
-                _matched(placement, int(found) if found is not None else expected)
+            if found is not None:
+                _matched(placement, int(found))
+                matched = True
+                continue
+            # Rank 0's entries from where this call belongs, past this process's own calls
+            # (other threads): the first other one shows that rank 0 passed this call by.
+            while True:
+                at_key = f"seq/{placement.sequence}/{expected}"
+                with store.lock:
+                    at = _read(store, at_key)
+                if at is None or at == base or not _placed_here(placement.sequence, at):
+                    break
+                expected += 1
+            if at == base:
+                _matched(placement, expected)
                 matched = True
                 continue
             if at is not None:
@@ -480,6 +504,11 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> None:
             warn_at = now + (warning_s or math.inf)
         store.wait_for(leader if matched else at_key,
                        max(0.01, min(_SLICE_S, start + bound_s - now, warn_at - now)))
+
+
+def _placed_here(sequence: str, key: str) -> bool:
+    with _LOCK:
+        return key in _PLACED[sequence]
 
 
 def _stop(state: dict[str, Any] | None, placement: Placement | None, rank0: int) -> str | None:
