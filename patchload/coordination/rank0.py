@@ -460,6 +460,9 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> None:
         else:
             with store.lock:
                 found = _read(store, f"seqkey/{base}")
+                # Another rank that gave up on rank 0 claimed it: follow that one.
+                if found is None and store.store.check([leader]):
+                    return
             if found is not None:
                 _matched(placement, int(found))
                 matched = True
