@@ -74,10 +74,12 @@ def _patches() -> list[Patch]:
     from ._hub import hub_patches
     from ._load import load_patches
     from .coordination.call import context_patches
+    from .coordination.rank0 import collective_patches
     from .patches import library_patches
 
     return (hub_patches() + dynamic_module_patches() + load_patches() + convert_patches()
-            + diffusers_patches() + context_patches() + library_patches())
+            + diffusers_patches() + context_patches() + collective_patches()
+            + library_patches())
 
 
 def uninstall() -> None:

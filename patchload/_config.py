@@ -84,9 +84,14 @@ class Config:
     heartbeat_s: float = 5.0
     """``PATCHLOAD_HEARTBEAT``: seconds between leader heartbeats; a leader silent for two periods
     is reported dead."""
-    claim_grace_s: float = 5.0
-    """``PATCHLOAD_CLAIM_GRACE``: seconds another rank waits for rank 0 of the scope to claim a
-    call before claiming (and leading) it itself. 0: the first rank to claim a call leads it."""
+    claim_grace_s: float = 120.0
+    """``PATCHLOAD_CLAIM_GRACE``: the most another rank waits, in seconds, for rank 0 of the
+    scope to reach a call when rank 0 is alive, behind (it has not reached that point of its
+    sequence of calls) and not blocked in a collective of the user's; then it claims (and
+    leads) the call itself. Never waited out on the common path: a rank 0 that passed the
+    call by, is blocked in a collective, exited, or whose cache, token or endpoint differs, is
+    known at once (see :mod:`patchload.coordination.rank0`). 0: nobody waits; the first rank
+    to claim a call leads it."""
     exit_wait_s: float = 60.0
     """``PATCHLOAD_EXIT_WAIT``: the most a leader waits at exit, in seconds, for its followers to
     take the weights it shares. 0: it does not wait (a follower that finds the leader gone loads
@@ -253,7 +258,7 @@ def _read(env: Mapping[str, str] | None = None) -> Config:
         transport=_choice(env, "PATCHLOAD_TRANSPORT", _TRANSPORTS, "auto"),
         timeout_s=_bound(env, "PATCHLOAD_TIMEOUT", None),
         heartbeat_s=_seconds(env, "PATCHLOAD_HEARTBEAT", 5.0),
-        claim_grace_s=_seconds(env, "PATCHLOAD_CLAIM_GRACE", 5.0, zero=True),
+        claim_grace_s=_seconds(env, "PATCHLOAD_CLAIM_GRACE", 120.0, zero=True),
         exit_wait_s=_seconds(env, "PATCHLOAD_EXIT_WAIT", 60.0, zero=True),
         arrival_window_s=_seconds(env, "PATCHLOAD_ARRIVAL_WINDOW", 5.0),
         group_timeout_s=_seconds(env, "PATCHLOAD_GROUP_TIMEOUT", 300.0),

@@ -13,6 +13,7 @@ from typing import Iterator
 
 from . import _state
 from .coordination import protocol as _coordinate
+from .coordination import rank0 as _rank0
 from ._errors import PatchloadError
 from ._topology import current_topology
 from .coordination.store import job_store
@@ -63,7 +64,7 @@ def main_process_first(scope: str = "node") -> Iterator[bool]:
     call = _coordinate.call_key("main_process_first", {"site": site}, scope=scope,
                                 topology=topology, config=_state.config(),
                                 what=f"main_process_first at {site}")
-    call, role = _coordinate.claim(call, retry_failed=False)
+    call, role = _coordinate.claim(_rank0.place(call, nested=False), retry_failed=False)
     if role.lead:
         try:
             with _coordinate.leading(call):
@@ -72,7 +73,8 @@ def main_process_first(scope: str = "node") -> Iterator[bool]:
             _coordinate.finish(call)
         return
     try:
-        outcome = _coordinate.wait_outcome(call, role)
+        with _rank0.following(call):
+            outcome = _coordinate.wait_outcome(call, role)
     finally:
         _coordinate.finish(call)
     if outcome is None or not outcome.get("ok"):

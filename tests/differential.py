@@ -156,6 +156,9 @@ class Group:
     variants: dict[str, dict[str, str]] = field(default_factory=lambda: {"shm": {}})
     nproc: int = 3
     hosts: int = 0
+    process_group: bool = False
+    """Every rank joins a gloo process group first (``init_process_group`` over torchrun's
+    variables): for steps with ``dist_barrier``."""
 
     def __post_init__(self) -> None:
         assert self.homes in (("per-host",) if self.hosts else ("shared", "per-rank")), self.homes
@@ -231,6 +234,8 @@ class Harness:
         plan = {"run_root": str(run_root),
                 "per_rank": {str(r): v for r, v in per_rank.items()},
                 "steps": [s for scenario in group.scenarios for s in scenario.plan_steps()]}
+        if group.process_group:
+            plan["process_group"] = "gloo"
         env = job_env(self.hub.endpoint, homes[0], run_root / "out", **COMMON_ENV, **extra)
         if group.hosts:
             job = self._run_hosts(group, run_root, plan, env, homes)

@@ -399,8 +399,50 @@ SRUN_SPAWN = Scenario(
         {"name": "cold", "op": "model", "repo": "srun/cold"},
     ), Requests.ONE_PER_CACHE, setup=_srun_setup, per_run=_srun_run)
 
+# --- rank 0 late, or out of step ------------------------------------------------------------------
+
+def _late_setup(ctx: SetupContext) -> None:
+    _llama(ctx, "late/a", seed=30)
+    _llama(ctx, "late/b", seed=31)
+    _llama(ctx, "late/alone", seed=32, with_tokenizer=False)
+
+
+# Rank 0 does its own work first (wandb.init(), rank-0-only data preparation); the others go
+# straight to their loads: rank 0 still leads each call (the same repo's later load too).
+LATE_RANK0 = Scenario(
+    "late-rank0", (
+        {"name": "tokenizer-2s", "op": "tokenizer", "repo": "late/a", "sleep_before_s": {"0": 2}},
+        {"name": "model-8s", "op": "model", "repo": "late/a", "sleep_before_s": {"0": 8}},
+        {"name": "tokenizer-30s", "op": "tokenizer", "repo": "late/b",
+         "sleep_before_s": {"0": 30}},
+    ), Requests.ONE_PER_CACHE, setup=_late_setup)
+
+# Rank 1 makes a call rank 0 never makes, then every rank enters dist.barrier(): rank 1 must not
+# wait for rank 0, which is blocked in the barrier.
+RANK1_ALONE = Scenario(
+    "rank1-alone", (
+        {"name": "config", "op": "config", "repo": "late/alone", "ranks": [1],
+         "dist_barrier": True},
+    ), Requests.ONE_PER_CACHE)
+
+
+def _tokens_run(ctx: RunContext) -> None:
+    for rank in range(ctx.world_size):
+        ctx.per_rank[rank]["env"]["HF_TOKEN"] = f"hf_rank{rank}token"
+
+
+# A different HF_TOKEN per rank: no rank shares a call with another, none waits for rank 0.
+PER_RANK_TOKENS = Scenario(
+    "per-rank-tokens", (
+        {"name": "config", "op": "config", "repo": "tokens/llama"},
+        {"name": "tokenizer", "op": "tokenizer", "repo": "tokens/llama"},
+        {"name": "model", "op": "model", "repo": "tokens/llama"},
+    ), Requests.TOTAL, setup=_serve_llama("tokens/llama", 33), per_run=_tokens_run)
+
 GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
+    Group("rank0-late", (LATE_RANK0, RANK1_ALONE), process_group=True),
+    Group("per-rank-tokens", (PER_RANK_TOKENS,)),
     Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
     Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
                            RANK_STATE, MISSING_REPO, TRAIN, ARCHITECTURES, INIT_ERROR,
@@ -565,3 +607,46 @@ def test_shared_scenarios_set_up_what_they_claim(harness: Harness) -> None:
     vit = {_obs(s["architectures/vit-new-head"])["fingerprint"]["tensors"]["classifier.weight"][
         "sha256"] for s in steps.values()}
     assert len(vit) == 3, vit
+
+
+def _call_s(job: Any, rank: int, step: str) -> float:
+    return job.ranks[rank]["steps"][step]["attempts"][0]["call_s"]
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_late_rank0_leads_every_call(harness: Harness) -> None:
+    """Rank 0 late by 2, 8 and 30 s (its own work before the call): it makes every hub request
+    of each call, the others none (they wait for it: it is alive and makes the call)."""
+    patched = harness.side("rank0-late", "shm")
+    for step in LATE_RANK0.step_names():
+        per_rank = requests_per_rank(patched, step)
+        assert set(per_rank) == {0}, f"{step}: requests per rank {per_rank}"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_call_rank0_never_makes_waits_nothing_while_rank0_is_in_a_barrier(
+        harness: Harness) -> None:
+    """Rank 1 makes a call rank 0 never makes, rank 0 waits in dist.barrier(): rank 1's call
+    takes at most 1 s longer than plain (rank 0 is known to be in the barrier)."""
+    plain, patched = harness.side("rank0-late", "plain"), harness.side("rank0-late", "shm")
+    step = "rank1-alone/config"
+    assert _call_s(patched, 1, step) <= _call_s(plain, 1, step) + 1.0, (
+        _call_s(plain, 1, step), _call_s(patched, 1, step))
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_per_rank_tokens_wait_for_nobody_and_rank0_warns_once(harness: Harness) -> None:
+    """A different HF_TOKEN per rank: every call on every rank takes at most 1 s longer than
+    plain (no rank waits for rank 0, whose key it can never share), and rank 0 logs one WARNING
+    naming the ranks whose credentials differ."""
+    plain = harness.side("per-rank-tokens", "plain")
+    patched = harness.side("per-rank-tokens", "shm")
+    slow = {(rank, step): (round(_call_s(plain, rank, step), 2),
+                           round(_call_s(patched, rank, step), 2))
+            for rank in range(3) for step in PER_RANK_TOKENS.step_names()
+            if _call_s(patched, rank, step) > _call_s(plain, rank, step) + 1.0}
+    assert slow == {}, slow
+    log = "\n".join(patched.outputs)
+    warnings = [line for line in log.splitlines() if "use other hub credentials" in line]
+    assert len(warnings) == 1 and "[rank 0/3]" in warnings[0] \
+        and "ranks [1, 2]" in warnings[0], warnings

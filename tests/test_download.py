@@ -200,7 +200,7 @@ def test_cold_cache_followers_make_zero_requests(cold_job: Job) -> None:
     for step in STEPS:
         window = cold_job.window(step)
         ranks = _ranks_with_requests(window)
-        # Rank 0 leads every call it makes (deterministic leadership, PATCHLOAD_CLAIM_GRACE).
+        # Rank 0 leads every call it makes (deterministic leadership: coordination.rank0).
         assert ranks == {0}, f"{step}: requests by ranks {ranks}: {window}"
         repos = {r.repo_id for r in window}
         assert repos == {"dl/" + STEP_REPO[step]}, f"{step}: {repos}"

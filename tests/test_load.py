@@ -122,7 +122,7 @@ def test_followers_read_no_checkpoint_and_make_no_requests(transport_job: Job,
     records = step_records(transport_job, case)
     readers = sorted(r for r, rec in records.items() if rec["checkpoint"]["reads"])
     non_readers = sorted(set(records) - set(readers))
-    # Rank 0 leads every call it makes (PATCHLOAD_CLAIM_GRACE), run after run.
+    # Rank 0 leads every call it makes (coordination.rank0), run after run.
     if case == "mismatch":  # rank 2 (bf16) leads alone; ranks 0 and 1 (fp32) share rank 0
         assert readers == [0, 2], records
     else:

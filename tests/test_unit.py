@@ -24,7 +24,7 @@ def test_config_defaults_and_values():
                                                                              "auto")
     assert (cfg.timeout_s, cfg.heartbeat_s, cfg.bucket_bytes) == (None, 5.0, 256 * 2**20)
     assert (cfg.claim_grace_s, cfg.exit_wait_s, cfg.arrival_window_s, cfg.group_timeout_s,
-            cfg.progress_warning_s) == (5.0, 60.0, 5.0, 300.0, 60.0)
+            cfg.progress_warning_s) == (120.0, 60.0, 5.0, 300.0, 60.0)
     cfg = load_config({"PATCHLOAD": "yes", "PATCHLOAD_DOWNLOAD_SCOPE": " JOB ",
                        "PATCHLOAD_BUCKET_MB": "1.5", "PATCHLOAD_TIMEOUT": "20",
                        "PATCHLOAD_CLAIM_GRACE": "0", "PATCHLOAD_EXIT_WAIT": "0",

@@ -36,6 +36,7 @@ from .. import _state
 from .._errors import LeaderInterruptedError
 from .._topology import current_topology
 from . import protocol as _coordinate
+from . import rank0 as _rank0
 from .key import Unrenderable, deciding_arguments, digest, process_state
 from .scope import download_scope
 from .store import job_store
@@ -539,6 +540,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             finally:
                 _MODE.reset(token)
     else:  # the caller's call (the node leaders'): its local paths are verified all the same
+        call = _rank0.place(call, nested=True)
         try:
             deciding = deciding_arguments(wrapped, args, kwargs)
         except Unrenderable:
@@ -628,7 +630,11 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         hub_scope = "node"
     call = _coordinate.call_key(name, deciding, scope=scope or hub_scope, topology=topology,
                                 config=config, what=what, watch=_repo_folder(args, kwargs))
-    return call, deciding
+    # The process-level parts of the key, which rank 0 publishes: a rank whose parts differ
+    # from rank 0's never waits for it (a call with a cache of its own: only that cache).
+    facts = {part: deciding[part] for part in _rank0.FACTS if part in deciding
+             and not (part == "__cache__" and kwargs.get("cache_dir"))}
+    return _rank0.place(call, nested=nested, facts=facts), deciding
 
 
 def _repo_folder(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

@@ -9,8 +9,10 @@ the leader's heartbeat and, on the same node, its pid; then they act on the payl
 leader's exception, or (interrupted) make the call plainly. Nothing read from the store is ever
 unpickled or executed. A follower's own interrupt leaves its wait at once, unchanged.
 
-Ranks that call out of step, alone, or with other arguments never wait for a leader that will not
-come: they claim their own key, and a late rank finds the outcome already published.
+The scope's rank 0 leads every call it makes, however late it comes; a rank that calls out of
+step, alone, or with other arguments never waits for a rank 0 that shows it will not come (it
+made another call at that point, is blocked in a collective of the user's, exited, or holds
+another cache or token): see :mod:`.rank0`. A late rank finds the outcome already published.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .._errors import (
     follower_exception,
 )
 from .._topology import Topology
+from . import rank0 as _rank0
 from .beats import KEEP_BEAT_KEYS, Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
 from .key import digest
@@ -65,6 +68,8 @@ class Call:
             hub cache), or None.
         attempt: after :func:`claim`, the attempt ``key`` is narrowed to; None before.
         expected: how many ranks make the call; None: every rank of ``scope``.
+        placement: where the call sits in this process's sequence of calls, which the scope's
+            rank 0 publishes (:mod:`.rank0`); None: not placed (it waits for rank 0's claim).
     """
 
     key: str
@@ -76,6 +81,7 @@ class Call:
     watch: str | None = None
     attempt: int | None = None
     expected: int | None = None
+    placement: _rank0.Placement | None = None
 
     @property
     def base(self) -> str:
@@ -156,14 +162,21 @@ class Role:
 
 def claim(call: Call, *, retry_failed: bool = True) -> tuple[Call, Role]:
     """Claim the leadership of ``call``'s current attempt, or learn who holds it. Not
-    collective; never waits.
+    collective.
+
+    The scope's rank 0 leads every call it makes, however late: a rank other than rank 0 first
+    waits (attempt 0 only) until rank 0 claimed the call or showed that it will not make it
+    (rank 0 made another call at this point of its sequence, is blocked in a collective of the
+    user's, exited, or the call's key holds a cache, token or endpoint that differs from rank
+    0's), at most ``PATCHLOAD_CLAIM_GRACE`` seconds for a rank 0 that is alive, behind and not
+    blocked (0: no wait; the first rank to claim leads). See :mod:`.rank0`.
 
     An **attempt** is one run of the call by one leader. A rank that arrives after an attempt
     failed (its error outcome is published) was not waiting on it: it starts the next attempt
     instead of inheriting that error (a rank-0-only probe, a transient error before a retry).
 
     Args:
-        call: the call, from :func:`call_key`.
+        call: the call, from :func:`call_key` (placed by :func:`.rank0.place`).
         retry_failed: False: a late rank follows the failed attempt too, inheriting its error
             (``main_process_first``: the block is the job's, not a request of the rank's own).
 
@@ -175,8 +188,8 @@ def claim(call: Call, *, retry_failed: bool = True) -> tuple[Call, Role]:
     attempt = 0
     while True:
         narrowed = dataclasses.replace(call, key=f"{call.key}a{attempt}/", attempt=attempt)
-        if attempt == 0 and call.topology.rank != _scope_rank0(call):
-            _grace(narrowed)
+        if attempt == 0 and call.topology.rank != _rank0.scope_rank0(call):
+            _rank0.await_rank0(narrowed)
         with call.store.lock:
             holder = call.store.store.compare_set(narrowed.key + "leader", "", me).decode()
             failed = retry_failed and holder != me and _failed(narrowed)
@@ -185,21 +198,6 @@ def claim(call: Call, *, retry_failed: bool = True) -> tuple[Call, Role]:
             return narrowed, Role(holder == me, int(info["rank"]), int(info["pid"]),
                                   str(info["node"]))
         attempt += 1
-
-
-def _scope_rank0(call: Call) -> int:
-    """The rank that leads every call of the scope it makes: global rank 0 (job), the node's
-    lowest rank (node)."""
-    return 0 if call.scope == "job" else call.topology.node_ranks()[0]
-
-
-def _grace(call: Call) -> None:
-    """Wait up to ``PATCHLOAD_CLAIM_GRACE`` seconds for the scope's rank 0 to claim ``call``
-    (any rank's claim ends the wait), so that rank 0 leads whenever it makes the call: its logs
-    and progress bars are the ones users watch, and the same rank leads from run to run. One
-    blocking store request."""
-    if call.config.claim_grace_s > 0:
-        call.store.wait_for(call.key + "leader", call.config.claim_grace_s)
 
 
 def _failed(call: Call) -> bool:
@@ -636,7 +634,9 @@ def leader_first(call: Call,
             call.store.store.set(call.key + "arrivals/all", "")  # wakes a leader waiting on all
     leader = LeaderView(call, role, idle)
     try:
-        if not early:
+        with _rank0.following(call):  # a rank waiting for this one's nested call goes on
+            if early:
+                return follow(call, role, leader)
             try:
                 leader.payload()  # waits for the outcome; raises the leader's failure
             except LeaderInterruptedError as err:

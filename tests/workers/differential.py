@@ -12,7 +12,8 @@ Usage: ``differential.py PLAN.json``. The plan is::
 freeze ``HF_HOME`` and friends at import): a rank with its own cache or working directory starts
 as if launched with them.
 
-With ``"init_process_group": "tcp://host:port"`` in the plan, every rank first joins a gloo
+With ``"process_group": "gloo"`` in the plan, every rank first joins a gloo process group
+(``env://``, torchrun's variables). With ``"init_process_group": "tcp://host:port"`` in the plan, every rank first joins a gloo
 process group there, with the rank and world size of ``PLT_RANK`` / ``PLT_WORLD_SIZE`` (ranks
 started by ``differential_hosts.py``: a user's ``torch.multiprocessing.spawn`` script).
 
@@ -36,13 +37,17 @@ A step (every key but ``name`` and ``op`` is optional):
 * ``rand_after``: record ``torch.rand(n)`` drawn right after the call (and after the RNG hash).
 * ``attempts``: user code retrying the call (``for ...: try: call; break; except: ...``) up to
   this many times; ``retry_delay_s``: ``{rank: seconds}`` slept before each retry.
+* ``sleep_before_s``: ``{rank: seconds}`` that rank sleeps before the call (its own work first:
+  ``wandb.init()``, rank-0-only data preparation).
+* ``dist_barrier``: every rank enters ``torch.distributed.barrier()`` after the step's call (a
+  rank that skips the call, at once); the plan needs ``"process_group": "gloo"``.
 * ``gate``: ``"rank0_first"``: ranks other than 0 start only once rank 0's first attempt ended,
   so a fault on the first request of a file meets rank 0 in a plain run too (deterministic).
 
 Each rank writes ``$PLT_OUT/rank-<RANK>.json``: its transformers ``session_id`` and, per step
 (``_common.step``: ``t0``/``t1``, barriers around it so the hub log cuts into per-step windows),
 ``skipped`` or ``attempts``: a list, one entry per try, each ``{"ok": true, "obs": {...}}`` or
-``{"ok": false, "error": {...}}``, plus ``rng`` (sha256 of ``torch.get_rng_state()`` right after
+``{"ok": false, "error": {...}}``, plus ``call_s`` (seconds the call took), ``rng`` (sha256 of ``torch.get_rng_state()`` right after
 the call) and ``rand``.
 """
 
@@ -307,16 +312,19 @@ def run_step(step: dict[str, Any], record: dict[str, Any], barrier: _common.Barr
     gate_key = f"gate/{step['name']}"
     if gate and RANK != 0 and barrier.store is not None:
         _wait_key(barrier.store, gate_key)
+    time.sleep(float(step.get("sleep_before_s", {}).get(str(RANK), 0.0)))
     seed_everything(step.get("seed", 0) + (RANK if step.get("seed_plus_rank") else 0))
     op = OPS[step["op"]]
     attempts = []
     for attempt in range(step.get("attempts", 1)):
         if attempt:
             time.sleep(float(step.get("retry_delay_s", {}).get(str(RANK), 0.0)))
+        start = time.monotonic()
         try:
             entry: dict[str, Any] = {"ok": True, "obs": op(step)}
         except Exception as exc:  # noqa: BLE001 - what the rank observed; the test compares it
             entry = {"ok": False, "error": error_record(exc)}
+        entry["call_s"] = time.monotonic() - start
         entry["rng"] = rng_hash()
         if step.get("rand_after"):
             entry["rand"] = torch.rand(step["rand_after"]).tolist()
@@ -339,6 +347,12 @@ def body(report: dict[str, Any]) -> None:
         dist.init_process_group("gloo", init_method=PLAN["init_process_group"], rank=RANK,
                                 world_size=_common.WORLD_SIZE,
                                 timeout=datetime.timedelta(seconds=120))
+    elif PLAN.get("process_group"):
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group(PLAN["process_group"], timeout=datetime.timedelta(seconds=120))
     report["installed"] = patchload.is_installed()
     report["cwd"] = norm(os.getcwd())
     report["hf_home"] = norm(os.environ.get("HF_HOME", ""))
@@ -352,8 +366,13 @@ def body(report: dict[str, Any]) -> None:
                 run_step(step, record, barrier)
             else:
                 record["skipped"] = True
+            if step.get("dist_barrier"):
+                import torch.distributed as dist
+
+                dist.barrier()
         _common.write_report(report)  # a later hang still leaves the earlier steps readable
 
 
 if __name__ == "__main__":
-    _common.main(body, skip_finalization=bool(PLAN.get("init_process_group")))
+    _common.main(body, skip_finalization=bool(PLAN.get("init_process_group")
+                                              or PLAN.get("process_group")))

@@ -1,0 +1,576 @@
+"""Rank 0 leads every call it makes, however late it comes: what it publishes, what others wait on.
+
+Each scope's **rank 0** (global rank 0 for ``job``, the node's lowest rank for ``node``) leads
+every coordinated call it makes. No wall-clock grace decides that on the common path; instead:
+
+1. **Its call sequence.** Every process counts its coordinated calls per *sequence*: the call
+   key's namespace (``job`` or the node's) and whether the call is top-level (made outside any
+   coordinated call; ``main_process_first`` counts) or nested (inside one, the node leaders'
+   calls among them). At its i-th call of a sequence, before claiming it, rank 0 publishes
+   ``seq/<sequence>/<i>`` = the call's key and ``seqkey/<key>`` = i.
+2. **A rank that is not rank 0** at its j-th call with key K first looks for ``seqkey/K``:
+   there, rank 0 makes the call (now or already): it waits for rank 0's claim (which comes right
+   after). Otherwise it reads the entry rank 0 publishes at the position where K belongs: its
+   last call that rank 0 also made, at rank 0's position a and its own b, puts K at rank 0's
+   ``a + (j - b)`` (so calls one rank makes alone shift nothing after the next shared call).
+   An entry with another key there (past the keys this process calls too, from other threads
+   or in another order): rank 0 passed that position with another call, it claims at once
+   (results are equal whoever leads). No entry yet: rank 0 is behind, and it waits.
+3. **Rank 0 shows it will not come.** Rank 0 also publishes ``ranks/<r>/state``: its pid and
+   node, its process-level key parts (hub endpoint, offline mode, credentials digest, default
+   hub cache), and while it lasts more than 0.2 s that it is blocked in one of the user's
+   ``torch.distributed`` collectives (``barrier``, ``broadcast``, the object collectives, ...;
+   written by a watcher thread, so the user's thread never does store I/O), or (for nested
+   calls) that it waits as a follower of another rank's call, and at exit that it exited. A
+   waiting rank claims at once when rank 0 is blocked, following (nested calls), exited or gone
+   (same node: its pid), or when its own key holds a process-level part that differs from rank
+   0's (another cache, token, endpoint: rank 0 can never make that key). Waits are sliced
+   (0.5 s), reading that state between slices: about 4 store requests per second per waiting
+   rank, only while rank 0 is behind.
+4. **Fallback.** A rank 0 that is alive, behind and not blocked is waited for at most
+   ``PATCHLOAD_CLAIM_GRACE`` seconds (120), with a WARNING every ``PATCHLOAD_PROGRESS_WARNING``
+   seconds saying what it waits for. ``PATCHLOAD_CLAIM_GRACE=0``: nobody waits; the first rank
+   to claim a call leads it.
+
+Global rank 0 also logs one WARNING per job naming the ranks whose hub credentials differ from
+its own (each rank appends its credentials digest, never the token, to one store key).
+
+Collectives that torch.compile traces (``all_reduce``, ``all_gather``, ``all_gather_into_tensor``,
+``reduce_scatter_tensor``, ``all_to_all_single``, the p2p ``isend``/``irecv``) are left
+unpatched: dynamo maps them by identity. A rank 0 blocked in one of those is waited for as a
+rank 0 that is behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Final, Iterator
+
+from .identity import node_id, process_alive
+from .store import JobStore
+
+if TYPE_CHECKING:
+    from .._patching import Patch
+    from .._topology import Topology
+    from .protocol import Call
+
+__all__ = ["Placement", "await_rank0", "collective_patches", "following", "place",
+           "scope_rank0"]
+
+logger = logging.getLogger(__name__)
+
+_SHOW_AFTER_S: Final = 0.2  # a collective shorter than this is never published
+_SLICE_S: Final = 0.5  # a waiting rank reads rank 0's state this often
+_RECENT: Final = 2  # a rank's latest calls rank 0 has not made (yet), to anchor on later
+_CREDENTIAL_CHECKS: Final = 8  # rank 0's calls at which it looks at the other ranks' credentials
+# Process-level key parts (coordination.key.process_state, and the default hub cache).
+FACTS: Final = ("__endpoint__", "__offline__", "__credentials__", "__cache__")
+# torch.distributed collectives a user blocks in (not those dynamo traces: see the docstring).
+_COLLECTIVES: Final = ("barrier", "monitored_barrier", "broadcast", "reduce", "gather",
+                       "scatter", "reduce_scatter", "all_to_all", "all_gather_object",
+                       "gather_object", "broadcast_object_list", "scatter_object_list", "send",
+                       "recv")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a call sits in this process's sequence of coordinated calls.
+
+    Attributes:
+        sequence: ``<namespace>/top`` or ``<namespace>/nested`` (namespace: ``job`` or the
+            node's).
+        position: 1-based count of this process's calls of that sequence, this one included.
+        facts: the process-level parts (:data:`FACTS`) the call's key holds, as in the key.
+    """
+
+    sequence: str
+    position: int
+    facts: tuple[tuple[str, str], ...] = ()
+
+
+def scope_rank0(call: Call) -> int:
+    """The rank that leads every call of the scope it makes: global rank 0 (job), the node's
+    lowest rank (node)."""
+    return 0 if call.scope == "job" else call.topology.node_ranks()[0]
+
+
+def _is_some_rank0(topology: Topology) -> bool:
+    return topology.rank == 0 or topology.rank == topology.node_ranks()[0]
+
+
+def _read(store: JobStore, key: str) -> str | None:
+    """The value of ``key`` or None, in one request (the caller holds the lock): a
+    ``compare_set`` whose expected value no key holds writes nothing."""
+    absent = "\x00absent"
+    value = store.store.compare_set(key, absent, absent + "-never-written").decode()
+    return None if value == absent else value
+
+
+# --- what rank 0 publishes ------------------------------------------------------------------------
+
+class _State:
+    """This process's published state (``ranks/<r>/state``), written by one watcher thread (and
+    by the caller's thread when its facts change)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._write_lock = threading.Lock()
+        self._entries: dict[int, tuple[str, float]] = {}  # token -> (what, since)
+        self._next = 0
+        self._facts: dict[str, str] | None = None
+        self._exited = False
+        self._rank: int | None = None
+        self._stores: list[JobStore] = []
+        self._shown: dict[int, dict[str, Any]] = {}  # id(store) -> what it holds
+        self._thread: threading.Thread | None = None
+
+    def enter(self, what: str) -> int:
+        """Start an entry (``following`` or a collective's name); never does I/O."""
+        with self._cond:
+            self._next += 1
+            self._entries[self._next] = (what, time.monotonic())
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="patchload-rank0",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def leave(self, token: int) -> None:
+        with self._cond:
+            self._entries.pop(token, None)
+            self._cond.notify()
+
+    def facts(self, store: JobStore, rank: int, facts: dict[str, str] | None) -> None:
+        """Publish (now, on the caller's thread) this rank's facts into ``store`` too."""
+        with self._cond:
+            self._rank = rank
+            if facts is not None:
+                self._facts = facts
+            if all(s is not store for s in self._stores):
+                self._stores.append(store)
+        self._write()
+
+    def knows(self, store: JobStore) -> bool:
+        """Whether this process's state is published into ``store``."""
+        with self._cond:
+            return any(store is known for known in self._stores)
+
+    def exit(self) -> None:
+        with self._cond:
+            self._exited = True
+            self._entries.clear()
+        self._write()
+
+    def _compose(self, now: float) -> dict[str, Any]:
+        due = [what for what, since in self._entries.values() if now - since >= _SHOW_AFTER_S]
+        blocked = next((w for w in due if w != "following"), None)
+        return {"pid": os.getpid(), "node": node_id(), "facts": self._facts,
+                "blocked": blocked, "following": "following" in due, "exited": self._exited}
+
+    def _targets(self) -> list[JobStore]:
+        """The stores to write into: those this process published its facts into, else those
+        it already opened, else (it blocks in a collective before any call) the job's store
+        once the process group exists. At exit no store is opened: one whose server is gone
+        would hold the exit up for its connect timeout."""
+        with self._cond:
+            if self._stores:
+                return list(self._stores)
+            exited = self._exited
+        from .._topology import current_topology
+
+        topology = current_topology()
+        if not _is_some_rank0(topology) or not topology.distributed:
+            return []
+        opened = _opened_stores()
+        if not opened and not exited and _pg_initialized():
+            from .store import job_store
+
+            opened = [job_store()]
+        with self._cond:
+            self._rank = topology.rank if self._rank is None else self._rank
+            for store in opened:
+                if all(store is not known for known in self._stores):
+                    self._stores.append(store)
+        return opened
+
+    def _write(self) -> None:
+        with self._write_lock:
+            try:
+                stores = self._targets()
+            except Exception as err:  # noqa: BLE001 - no store: nobody can wait on this rank
+                logger.debug("no store to publish rank state into: %s", err)
+                return
+            with self._cond:
+                state = self._compose(time.monotonic())
+                rank = self._rank
+            for store in stores:
+                if self._shown.get(id(store)) == state:
+                    continue
+                try:
+                    with store.lock:
+                        store.store.set(f"ranks/{rank}/state", json.dumps(state))
+                    self._shown[id(store)] = state
+                except Exception as err:  # noqa: BLE001 - others then wait out the fallback
+                    logger.debug("[rank %s] publishing its state failed: %s", rank, err)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                pending = [since + _SHOW_AFTER_S - now for _, since in self._entries.values()
+                           if now - since < _SHOW_AFTER_S]
+                state = self._compose(now)
+                showing = state["blocked"] is not None or state["following"]
+                if (all(shown == state for shown in self._shown.values())
+                        and (self._shown or not showing)):
+                    if not self._entries:  # nothing to time: the thread ends (enter restarts it)
+                        self._thread = None
+                        return
+                    self._cond.wait(timeout=min(pending) + 0.005 if pending else None)
+                    continue
+            self._write()
+            time.sleep(0.01)  # bounded: at most ~100 writes/s while states flip
+
+
+_STATE: Final = _State()
+
+
+def _opened_stores() -> list[JobStore]:
+    """The job stores this process has opened (it never opens one here)."""
+    from . import store
+
+    with store._CACHE_LOCK:
+        return ([job for (_, pid), job in store._CACHE.items() if pid == os.getpid()]
+                + list(store._PG_CACHE.values()))
+
+
+def _pg_initialized() -> bool:
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def following(call: Call) -> Iterator[None]:
+    """Mark the block as this rank waiting for another rank's outcome of ``call`` (published
+    after 0.2 s, by the watcher): a rank waiting for this one's nested call stops waiting. No
+    store I/O here; a no-op on ranks that are no scope's rank 0."""
+    if not _is_some_rank0(call.topology):
+        yield
+        return
+    token = _STATE.enter("following")
+    try:
+        yield
+    finally:
+        _STATE.leave(token)
+
+
+def _collective(name: str) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        from .._topology import current_topology
+
+        if kwargs.get("async_op") or not _is_some_rank0(current_topology()) \
+                or not current_topology().distributed:
+            return wrapped(*args, **kwargs)
+        token = _STATE.enter(name)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _STATE.leave(token)
+
+    return wrapper
+
+
+def collective_patches() -> list[Patch]:
+    """Wrap the user's blocking ``torch.distributed`` collectives: on a scope's rank 0, one
+    lasting over 0.2 s is published (see the module docstring). Arguments and results pass
+    through untouched."""
+    from .._patching import Patch
+
+    return [Patch("torch.distributed.distributed_c10d", name, _collective(name),
+                  rebind_aliases=True) for name in _COLLECTIVES]
+
+
+@atexit.register
+def _at_exit() -> None:
+    # Registered after store._drop_stores (this module imports store), so it runs before it.
+    try:
+        _check_credentials(final=True)
+        _STATE.exit()
+    except Exception as err:  # noqa: BLE001 - at exit: others then see its pid gone
+        logger.debug("publishing this rank's exit failed: %s", err)
+
+
+# --- placing a call -------------------------------------------------------------------------------
+
+_POSITIONS: collections.Counter[str] = collections.Counter()
+_LOCK: Final = threading.Lock()
+
+
+@dataclass
+class _Anchor:
+    """A non-rank-0 process's alignment with rank 0's sequence: its call at its own position
+    ``mine`` is rank 0's at ``theirs``; ``recent``: its later calls rank 0 had not made."""
+
+    theirs: int = 0
+    mine: int = 0
+    recent: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+
+
+_ANCHORS: dict[str, _Anchor] = collections.defaultdict(_Anchor)
+# Per sequence, the keys of this process's latest calls: rank 0's entry holding one of them is a
+# call this process makes too, from another thread or in another order, not a call passed by.
+_PLACED: dict[str, collections.OrderedDict[str, None]] = collections.defaultdict(
+    collections.OrderedDict)
+_PLACED_MAX: Final = 256
+
+
+def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None) -> Call:
+    """Count ``call`` in this process's sequence; on the scope's rank 0, publish it (before it
+    claims). Not collective; never waits; a store failure only costs the others their wait.
+
+    Args:
+        call: the call, from :func:`.protocol.call_key` (or the node leaders' call).
+        nested: the call is made inside another coordinated call.
+        facts: the process-level parts (:data:`FACTS`) its key holds.
+
+    Returns:
+        ``call`` with its :class:`Placement`.
+    """
+    sequence = f"{call.key.split('/', 1)[0]}/{'nested' if nested else 'top'}"
+    with _LOCK:
+        _POSITIONS[sequence] += 1
+        position = _POSITIONS[sequence]
+        placed = _PLACED[sequence]
+        placed[call.key] = None
+        while len(placed) > _PLACED_MAX:
+            placed.popitem(last=False)
+    facts = facts or {}
+    call = dataclasses.replace(call, placement=Placement(
+        sequence, position, tuple(sorted(facts.items()))))
+    if call.config.claim_grace_s <= 0:
+        return call
+    try:
+        if call.topology.rank == scope_rank0(call):
+            _publish(call, facts)
+        if "__credentials__" in facts:
+            _report_credentials(call, facts["__credentials__"])
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        logger.debug("%s: publishing call %d of %s failed: %s", call.prefix(), position,
+                     sequence, err)
+    return call
+
+
+def _publish(call: Call, facts: dict[str, str]) -> None:
+    complete = facts if all(part in facts for part in FACTS) else None
+    if complete is not None or not _STATE.knows(call.store):
+        _STATE.facts(call.store, call.topology.rank, complete)
+    placement = call.placement
+    with call.store.lock:
+        call.store.store.set(f"seqkey/{call.key}", str(placement.position))
+        call.store.store.set(f"seq/{placement.sequence}/{placement.position}", call.key)
+
+
+_CREDENTIALS: dict[str, Any] = {"reported": set(), "checks": 0, "warned": False, "call": None}
+
+
+def _report_credentials(call: Call, digest: str) -> None:
+    """Each rank appends ``<rank>:<digest>`` once per store; global rank 0 looks at them."""
+    with _LOCK:
+        first = id(call.store) not in _CREDENTIALS["reported"]
+        _CREDENTIALS["reported"].add(id(call.store))
+        if call.topology.rank == 0:
+            _CREDENTIALS["call"], _CREDENTIALS["mine"] = call, digest
+    if first:
+        with call.store.lock:
+            call.store.store.append("ranks/credentials", f"{call.topology.rank}:{digest},")
+    if call.topology.rank == 0:
+        _check_credentials(final=False)
+
+
+def _check_credentials(*, final: bool) -> None:
+    """Global rank 0: one WARNING per job naming the ranks whose credentials differ from its
+    own, once every rank reported (or at its last look: its 8th call, or exit). Never waits."""
+    with _LOCK:
+        call = _CREDENTIALS["call"]
+        if call is None or _CREDENTIALS["warned"] or _CREDENTIALS["checks"] >= _CREDENTIAL_CHECKS:
+            return
+        _CREDENTIALS["checks"] += 1
+        last = final or _CREDENTIALS["checks"] >= _CREDENTIAL_CHECKS
+    with call.store.lock:
+        text = _read(call.store, "ranks/credentials") or ""
+    seen = dict(entry.split(":", 1) for entry in text.split(",") if ":" in entry)
+    if len(seen) < call.topology.world_size and not last:
+        return
+    other = sorted(int(rank) for rank, digest in seen.items()
+                   if digest != _CREDENTIALS["mine"])
+    with _LOCK:
+        _CREDENTIALS["warned"] = True
+    if other:
+        logger.warning("%s: ranks %s use other hub credentials (HF_TOKEN or the token file) "
+                       "than this rank: they never share a call with it; each makes its own "
+                       "requests", call.prefix(), other)
+
+
+# --- waiting for rank 0 ---------------------------------------------------------------------------
+
+def await_rank0(call: Call) -> None:
+    """Wait until the scope's rank 0 claimed attempt ``call`` or showed that it will not make
+    it (see the module docstring); then the caller claims. Not collective; bounded by
+    ``PATCHLOAD_CLAIM_GRACE`` seconds; returns at once when that is 0. Never raises (a store
+    failure ends the wait)."""
+    cfg = call.config
+    if cfg.claim_grace_s <= 0:
+        return
+    try:
+        _await(call, cfg.claim_grace_s, cfg.progress_warning_s)
+    except Exception as err:  # noqa: BLE001 - the caller's claim reports a broken store
+        logger.debug("%s: waiting for rank 0 failed: %s", call.prefix(), err)
+
+
+def _await(call: Call, bound_s: float, warning_s: float | None) -> None:
+    store, placement, base = call.store, call.placement, call.base
+    rank0 = scope_rank0(call)
+    leader = call.key + "leader"
+    start = time.monotonic()
+    warn_at = start + warning_s if warning_s is not None else math.inf
+    matched = placement is None
+    at_key = ""
+    if placement is not None:
+        anchor = _reanchor(store, placement.sequence)
+        expected = anchor.theirs + (placement.position - anchor.mine)
+    while True:
+        if matched:
+            with store.lock:
+                if store.store.check([leader]):
+                    return
+        else:
+            with store.lock:
+                found = _read(store, f"seqkey/{base}")
+                # Another rank that gave up on rank 0 claimed it: follow that one.
+                if found is None and store.store.check([leader]):
+                    return
+            if found is not None:
+                _matched(placement, int(found))
+                matched = True
+                continue
+            # Rank 0's entries from where this call belongs, past this process's own calls
+            # (other threads): the first other one shows that rank 0 passed this call by.
+            while True:
+                at_key = f"seq/{placement.sequence}/{expected}"
+                with store.lock:
+                    at = _read(store, at_key)
+                if at is None or at == base or not _placed_here(placement.sequence, at):
+                    break
+                expected += 1
+            if at == base:
+                _matched(placement, expected)
+                matched = True
+                continue
+            if at is not None:
+                return _gave_up(call, placement, f"rank {rank0} made another call at that point "
+                                f"({at})", remember=True)
+        with store.lock:
+            raw = _read(store, f"ranks/{rank0}/state")
+        state = json.loads(raw) if raw else None
+        differs = _differs(state, placement, rank0)
+        if differs is not None:  # rank 0 never makes this key: not worth anchoring on
+            return _gave_up(call, placement, differs, remember=False)
+        reason = _stop(state, placement, rank0)
+        if reason is not None:
+            return _gave_up(call, placement, reason, remember=not matched)
+        now = time.monotonic()
+        if now - start >= bound_s:
+            logger.warning("%s: rank %d, alive and not in a collective, has not %s within "
+                           "PATCHLOAD_CLAIM_GRACE (%.0f s): claiming it here", call.prefix(),
+                           rank0, "claimed this call" if matched else "reached this call",
+                           bound_s)
+            return _gave_up(call, placement, "PATCHLOAD_CLAIM_GRACE", remember=not matched)
+        if now >= warn_at:
+            logger.warning("%s: waiting for rank %d to %s %s (%.0f s so far; it is alive and "
+                           "not in a collective); claiming it here after PATCHLOAD_CLAIM_GRACE "
+                           "(%.0f s)", call.prefix(), rank0, "claim" if matched else "reach",
+                           call.what, now - start, bound_s)
+            warn_at = now + (warning_s or math.inf)
+        store.wait_for(leader if matched else at_key,
+                       max(0.01, min(_SLICE_S, start + bound_s - now, warn_at - now)))
+
+
+def _placed_here(sequence: str, key: str) -> bool:
+    with _LOCK:
+        return key in _PLACED[sequence]
+
+
+def _stop(state: dict[str, Any] | None, placement: Placement | None, rank0: int) -> str | None:
+    """Why rank 0, as its state shows, will not make the call (None: it may)."""
+    if state is None:
+        return None
+    if state.get("exited"):
+        return f"rank {rank0} exited"
+    if not process_alive(str(state["node"]), int(state["pid"])):
+        return f"rank {rank0}'s process (pid {state['pid']}) is gone"
+    if state.get("blocked"):
+        return f"rank {rank0} is blocked in torch.distributed.{state['blocked']}"
+    nested = placement is None or placement.sequence.endswith("/nested")
+    if nested and state.get("following"):
+        return f"rank {rank0} is following another rank's call"
+    return None
+
+
+def _differs(state: dict[str, Any] | None, placement: Placement | None,
+             rank0: int) -> str | None:
+    """Which process-level part of the call's key differs from rank 0's (None: none does)."""
+    theirs = (state or {}).get("facts") or {}
+    for part, mine in placement.facts if placement is not None else ():
+        if part in theirs and theirs[part] != mine:
+            return f"its {part.strip('_')} and rank {rank0}'s differ"
+    return None
+
+
+def _reanchor(store: JobStore, sequence: str) -> _Anchor:
+    """This process's anchor in ``sequence``, moved to its latest call rank 0 has made since."""
+    with _LOCK:
+        anchor = _ANCHORS[sequence]
+        recent = list(anchor.recent)
+    for mine, key in reversed(recent):
+        with store.lock:
+            theirs = _read(store, f"seqkey/{key}")
+        if theirs is not None:
+            with _LOCK:
+                if mine > anchor.mine:
+                    anchor.theirs, anchor.mine = int(theirs), mine
+                anchor.recent = [(m, k) for m, k in anchor.recent if m > mine]
+            break
+    return anchor
+
+
+def _matched(placement: Placement | None, theirs: int) -> None:
+    if placement is None:
+        return
+    with _LOCK:
+        anchor = _ANCHORS[placement.sequence]
+        if placement.position > anchor.mine:
+            anchor.theirs, anchor.mine = theirs, placement.position
+        anchor.recent = [(m, k) for m, k in anchor.recent if m > placement.position]
+
+
+def _gave_up(call: Call, placement: Placement | None, reason: str, *, remember: bool) -> None:
+    logger.debug("%s: not waiting for rank %d any longer: %s", call.prefix(), scope_rank0(call),
+                 reason)
+    if remember and placement is not None:
+        with _LOCK:
+            anchor = _ANCHORS[placement.sequence]
+            anchor.recent = [*anchor.recent, (placement.position, call.base)][-_RECENT:]
