@@ -26,7 +26,7 @@ from .identity import node_id, process_alive
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-    from .protocol import Call, Role
+    from .calls import Call, Role
 
 __all__ = ["JOIN_AT_EXIT_S", "KEEP_BEAT_KEYS", "Heartbeat", "LeaderWatch", "beat", "read_beat",
            "wait_beat"]

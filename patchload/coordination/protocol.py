@@ -25,7 +25,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Final, Iterator, TypeVar
 
 from .._config import Config
@@ -41,7 +40,8 @@ from . import rank0 as _rank0
 from .beats import KEEP_BEAT_KEYS, Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
 from .key import digest
-from .store import JobStore, job_store
+from .calls import Call, Role
+from .store import job_store
 
 __all__ = ["Call", "LeaderView", "Role", "announcement", "call_key", "claim", "files_ready",
            "finish", "leader_first", "leading", "node_leaders_call", "publish", "publish_pins",
@@ -50,55 +50,6 @@ __all__ = ["Call", "LeaderView", "Role", "announcement", "call_key", "claim", "f
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Call:
-    """One patched call, as matched across ranks.
-
-    Attributes:
-        key: store key prefix unique to this call in this job and scope; after :func:`claim`,
-            to one attempt of it (``.../a<n>/``).
-        what: human-readable description for messages, e.g. ``hf_hub_download('org/m', 'a.json')``.
-        scope: ``node`` or ``job``: which ranks share the leader.
-        topology: this rank's topology when the call was made.
-        config: the configuration in force.
-        store: the job store.
-        watch: a directory whose growth shows the leader's progress (the repo's folder in the
-            hub cache), or None.
-        attempt: after :func:`claim`, the attempt ``key`` is narrowed to; None before.
-        expected: how many ranks make the call; None: every rank of ``scope``.
-        placement: where the call sits in this process's sequence of calls, which the scope's
-            rank 0 publishes (:mod:`.rank0`); None: not placed (it waits for rank 0's claim).
-    """
-
-    key: str
-    what: str
-    scope: str
-    topology: Topology
-    config: Config
-    store: JobStore
-    watch: str | None = None
-    attempt: int | None = None
-    expected: int | None = None
-    placement: _rank0.Placement | None = None
-
-    @property
-    def base(self) -> str:
-        """The call's key before :func:`claim` narrowed it to an attempt."""
-        return self.key if self.attempt is None else self.key[:-len(f"a{self.attempt}/")]
-
-    def scope_size(self) -> int:
-        """How many ranks make this call (see ``expected``)."""
-        if self.expected is not None:
-            return self.expected
-        return (len(self.topology.node_ranks()) if self.scope == "node"
-                else self.topology.world_size)
-
-    def prefix(self, leader_rank: int | None = None) -> str:
-        """``[rank r/n]`` (and the leader) for log lines and error messages."""
-        head = f"[rank {self.topology.rank}/{self.topology.world_size}]"
-        return head if leader_rank is None else f"{head} {self.what} (leader rank {leader_rank})"
 
 
 _COUNTS: collections.Counter[str] = collections.Counter()
@@ -148,16 +99,6 @@ def node_leaders_call(call: Call) -> Call:
     key = "job/leaders/" + call.key.split("/", 1)[1]
     return Call(key, call.what, "job", call.topology, call.config, call.store, call.watch,
                 expected=call.topology.num_nodes)
-
-
-@dataclass(frozen=True)
-class Role:
-    """This rank's part in a call: lead it, or follow ``leader_rank``."""
-
-    lead: bool
-    leader_rank: int
-    leader_pid: int
-    leader_node: str
 
 
 def claim(call: Call, *, retry_failed: bool = True) -> tuple[Call, Role]:

@@ -57,12 +57,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Final, Iterator
 
 from .identity import node_id, process_alive
+from .calls import Call, Placement
 from .store import JobStore
 
 if TYPE_CHECKING:
     from .._patching import Patch
     from .._topology import Topology
-    from .protocol import Call
 
 __all__ = ["Placement", "await_rank0", "collective_patches", "following", "place",
            "scope_rank0"]
@@ -80,22 +80,6 @@ _COLLECTIVES: Final = ("barrier", "monitored_barrier", "broadcast", "reduce", "g
                        "scatter", "reduce_scatter", "all_to_all", "all_gather_object",
                        "gather_object", "broadcast_object_list", "scatter_object_list", "send",
                        "recv")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a call sits in this process's sequence of coordinated calls.
-
-    Attributes:
-        sequence: ``<namespace>/top`` or ``<namespace>/nested`` (namespace: ``job`` or the
-            node's).
-        position: 1-based count of this process's calls of that sequence, this one included.
-        facts: the process-level parts (:data:`FACTS`) the call's key holds, as in the key.
-    """
-
-    sequence: str
-    position: int
-    facts: tuple[tuple[str, str], ...] = ()
 
 
 def scope_rank0(call: Call) -> int:
