@@ -314,7 +314,9 @@ def op_sentence_transformer(step: dict[str, Any]) -> dict[str, Any]:
     model.save(str(folder))
     embeddings = model.encode(SENTENCES, convert_to_numpy=True)
     return {"saved": saved_files(folder),
-            "embeddings": hashlib.sha256(embeddings.tobytes()).hexdigest()}
+            "embeddings": hashlib.sha256(embeddings.tobytes()).hexdigest(),
+            # what a later save (after training) asks the hub about
+            "card_local_files_only": model.model_card_data.local_files_only}
 
 
 def op_hf_hub_download(step: dict[str, Any]) -> dict[str, Any]:
