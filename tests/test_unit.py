@@ -704,6 +704,7 @@ def test_call_keys_render_what_decides_a_result_and_never_raise(tmp_path, monkey
             deciding_arguments(load, ("org/model",), {"thing": value})
 
 
+@pytest.mark.tf4
 @pytest.mark.timeout(60)
 def test_call_keys_hold_the_real_path_of_a_download_folder(tmp_path, monkeypatch):
     """``local_dir="model"`` (or sentence-transformers' ``cache_folder``) in two working
@@ -729,6 +730,7 @@ def test_call_keys_hold_the_real_path_of_a_download_folder(tmp_path, monkeypatch
     assert "__dir__local_dir" not in deciding_arguments(snapshot_download, ("org/model",), {})
 
 
+@pytest.mark.tf4
 @pytest.mark.timeout(120)
 def test_local_dir_pins_are_its_download_metadata(tmp_path):
     """What a rank's ``local_dir`` download pins (``call._local_dir_result_pin``) and a follower
