@@ -2,8 +2,9 @@
 
 Also ``sentence_transformers``' model constructors (``SentenceTransformer``, ``CrossEncoder``,
 ``SparseEncoder``), whose followers then pass ``local_files_only=True``: they skip the hub's
-``model_info`` call, so their model card does not name a base model. Likewise diffusers'
-``DiffusionPipeline.download`` (all of a pipeline's ``from_pretrained`` requests: the leader
+``model_info`` call, so their model card does not name a base model (its ``local_files_only``,
+which decides what a later save asks the hub, is the caller's again: :func:`_card_as_asked`).
+Likewise diffusers' ``DiffusionPipeline.download`` (all of a pipeline's ``from_pretrained`` requests: the leader
 makes the one snapshot download; followers skip ``model_info``) and scheduler
 ``from_pretrained``, and peft's
 ``PeftModel.from_pretrained``, ``load_adapter`` (also transformers' ``PeftAdapterMixin``),
@@ -113,12 +114,30 @@ def _source(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return None
 
 
+def _card_as_asked(instance: Any, kwargs: dict[str, Any]) -> Callable[[Any, Any], Any]:
+    """A follower's ``settle`` for a sentence-transformers model: the model card it built
+    (unless the caller gave one) records the ``local_files_only`` the caller asked for, not the
+    follower's True (it decides what a later save looks up on the hub: datasets, base model)."""
+    def settle(result: Any, mode: Any) -> Any:
+        card = getattr(instance, "model_card_data", None)
+        if (kwargs.get("model_card_data") is None and not mode.asked_offline
+                and getattr(card, "local_files_only", None) is True):
+            card.local_files_only = False
+        return result
+
+    return settle
+
+
 def _entry_point(*, offline_kwarg: bool) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
         owner = instance if isinstance(instance, type) else type(instance)
         name = f"{owner.__module__}.{owner.__qualname__}.{wrapped.__name__}"
+        settle = None
+        if wrapped.__name__ == "__init__" and owner.__module__.startswith("sentence_transformers"):
+            settle = _card_as_asked(instance, kwargs)
         return coordinated(name, wrapped, args, kwargs, offline_kwarg=offline_kwarg,
+                           settle=settle,
                            what=f"{owner.__name__}.{wrapped.__name__}({_source(args, kwargs)!r})")
 
     return wrapper

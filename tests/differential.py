@@ -108,7 +108,9 @@ class SetupContext:
 class RunContext:
     """What a scenario's ``per_run`` gets before each run: the hub (faults are cleared before
     every run), this run's directory, every rank's ``HF_HOME`` and per-rank settings to extend
-    (``per_rank[rank]["cwd"]``, ``per_rank[rank]["env"][...]``)."""
+    (``per_rank[rank]["cwd"]``, ``per_rank[rank]["env"][...]``, ``per_rank[rank]["copy"]``).
+    On namespaced nodes (``Group.nodes``) only the run's directory is shared: what a rank needs
+    from elsewhere is copied there first."""
 
     hub: LoopbackHub
     run_root: Path
@@ -148,6 +150,9 @@ class Group:
     hostname, PIDs, boot id; one network), each a user's script started by ``srun`` (one task
     per node) that spawns ``nproc`` ranks with ``torch.multiprocessing.spawn`` and builds the
     process group by hand (``tests/workers/differential_hosts.py``); one ``HF_HOME`` per host.
+    ``nodes=N``: one torchrun job of N agents, each in a namespaced node of its own (PIDs,
+    hostname, a private ``/tmp``: ``_nodes.NODE_LOCAL`` is node-local; ``tests/_nodes.py``), the
+    run's directory shared between them; ``homes`` is ``"shared"`` (downloads are job-scoped).
     """
 
     name: str
@@ -159,15 +164,17 @@ class Group:
     process_group: bool = False
     """Every rank joins a gloo process group first (``init_process_group`` over torchrun's
     variables): for steps with ``dist_barrier``."""
+    nodes: int = 0
 
     def __post_init__(self) -> None:
+        assert not (self.hosts and self.nodes), "simulated hosts or nodes, not both"
         assert self.homes in (("per-host",) if self.hosts else ("shared", "per-rank")), self.homes
         for scenario in self.scenarios[:-1]:
             assert not scenario.requests_to_end, f"{scenario.name} must be last in {self.name}"
 
     @property
     def world_size(self) -> int:
-        return self.nproc * max(1, self.hosts)
+        return self.nproc * max(1, self.hosts, self.nodes)
 
     def cache_of(self, rank: int) -> int:
         """Which cache (``HF_HOME``) ``rank`` uses, numbered from 0."""
@@ -241,7 +248,9 @@ class Harness:
             job = self._run_hosts(group, run_root, plan, env, homes)
         else:
             job = run_torchrun(self.hub, "differential", [str(_write_plan(run_root, plan))],
-                               nproc=group.nproc, env=env, timeout_s=JOB_TIMEOUT_S)
+                               nproc=group.nproc, env=env, timeout_s=JOB_TIMEOUT_S,
+                               nnodes=max(1, group.nodes),
+                               hosts="namespaced" if group.nodes else "shared-kernel")
         job.extra["side"] = side
         return job
 

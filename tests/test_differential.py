@@ -1,7 +1,7 @@
 """Differential tests: every scenario run plain and patched; every rank must observe the same.
 
 The harness is ``tests/differential.py`` (what is compared, and how to add a scenario), the rank
-worker ``tests/workers/differential.py``. Three jobs hold every scenario of issue 11:
+worker ``tests/workers/differential.py``. Four jobs hold every scenario of issues 11 and 30:
 
 * ``per-rank-caches`` (3 ranks, each its own ``HF_HOME``): a stale commit in rank 2's cache, a
   cache missing an optional file (rank 1), cold caches (tokenizer and model);
@@ -14,7 +14,12 @@ worker ``tests/workers/differential.py``. Three jobs hold every scenario of issu
   (each its own checkpoint), an optimizer step on a converting load (the shared copy is given
   up before the writes; a view kept across it still sees them; a model moved to another dtype
   frees it), and a ``.bin``-only repo (last: transformers' auto-conversion
-  thread outlives the call).
+  thread outlives the call);
+* ``local-dir`` (torchrun, 2 namespaced nodes x 2 ranks, one shared ``HF_HOME``: job scope):
+  ``local_dir=`` downloads where a commit-A folder sits under one node-local path on both nodes
+  and in rank 3's own working directory, after ``main`` moved to commit B (issue 30 item 1);
+  a Wav2Vec2 processor and a sentence-transformers model saved by every rank, byte for byte
+  (item 2: the tokenizers they build record the caller's ``local_files_only``).
 
 Each group runs plain twice (``test_two_plain_runs_agree``: the harness is deterministic, so a
 difference under patchload is patchload's) and patched once per variant.
@@ -439,11 +444,91 @@ PER_RANK_TOKENS = Scenario(
         {"name": "model", "op": "model", "repo": "tokens/llama"},
     ), Requests.TOTAL, setup=_serve_llama("tokens/llama", 33), per_run=_tokens_run)
 
+# --- local_dir downloads and saved objects: two namespaced nodes, one shared HF_HOME (job scope) --
+
+def _local_dir_steps(model_dir: str, file_dir: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "snapshot", "op": "snapshot_download", "repo": "ld/model",
+         "kwargs": {"local_dir": model_dir}},
+        {"name": "file", "op": "hf_hub_download", "repo": "ld/model",
+         "filenames": ["model.safetensors"], "kwargs": {"local_dir": file_dir}},
+    ]
+
+
+def _local_dir_setup(ctx: SetupContext) -> None:
+    """Commit A of ld/model downloaded plainly into two local_dir folders (a template), then
+    ``main`` moved to commit B: same file names and sizes, other weights."""
+    _llama(ctx, "ld/model", seed=40, with_tokenizer=False)
+    template = ctx.assets / "ld-commit-a"
+    ctx.warm(ctx.assets / "ld-warm-home",
+             _local_dir_steps(str(template / "model"), str(template / "model2")), "ld")
+    ctx.hub.add_repo("ld/model", _models().tiny_llama(ctx.assets / "ld-model-b", seed=41,
+                                                       with_tokenizer=False))
+
+
+def _local_dir_run(ctx: RunContext) -> None:
+    """Ranks 0 and 1 (node 0) and 2 (node 1) work in a node-local folder (one path, a folder of
+    each node's), which holds commit A's two folders on each node; rank 3 (node 1) in a
+    working directory of its own (on the shared filesystem), which holds them too."""
+    import shutil
+
+    from _nodes import NODE_LOCAL
+
+    template = ctx.run_root / "ld-commit-a"  # the nodes see the run's directory only
+    shutil.copytree(ctx.assets / "ld-commit-a", template, symlinks=True, dirs_exist_ok=True)
+    own = ctx.run_root / "own-cwd-3"
+    shutil.copytree(template, own, symlinks=True, dirs_exist_ok=True)
+    for rank in range(ctx.world_size):
+        if rank == 3:
+            ctx.per_rank[rank]["cwd"] = str(own)
+        else:
+            ctx.per_rank[rank]["copy"] = [[str(template), str(NODE_LOCAL / "work")]]
+            ctx.per_rank[rank]["cwd"] = str(NODE_LOCAL / "work")
+
+
+LOCAL_DIR = Scenario(
+    "local-dir", tuple(_local_dir_steps("model", "model2")), Requests.TOTAL,
+    setup=_local_dir_setup, per_run=_local_dir_run)
+
+
+def _saved_setup(ctx: SetupContext) -> None:
+    """A Wav2Vec2 processor (a CTC tokenizer of a character vocabulary and a feature extractor)
+    and a sentence-transformers model (a tiny BERT and mean pooling)."""
+    import transformers as tf
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models as st_models
+
+    vocab = {c: i for i, c in enumerate(["<pad>", "<s>", "</s>", "<unk>", "|", *"abcdefghij"])}
+    (ctx.assets / "w2v-vocab.json").write_text(json.dumps(vocab))
+    processor = tf.Wav2Vec2Processor(
+        feature_extractor=tf.Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000),
+        tokenizer=tf.Wav2Vec2CTCTokenizer(str(ctx.assets / "w2v-vocab.json")))
+    processor.save_pretrained(ctx.assets / "w2v-processor")
+    ctx.hub.add_repo("ld/wav2vec2", ctx.assets / "w2v-processor")
+    bert = _models().tiny_bert(ctx.assets / "st-bert", seed=42)
+    transformer = st_models.Transformer(str(bert))
+    model = SentenceTransformer(modules=[transformer, st_models.Pooling(
+        transformer.get_embedding_dimension())], device="cpu")
+    model.save(str(ctx.assets / "st-model"))
+    ctx.hub.add_repo("ld/sentence", ctx.assets / "st-model")
+
+
+SAVED = Scenario(
+    "saved", (
+        # The processor passes local_files_only on to its tokenizer; save_pretrained writes the
+        # tokenizer's init_kwargs.
+        {"name": "processor", "op": "processor", "repo": "ld/wav2vec2"},
+        # So do a sentence-transformers model's modules; its model card names its base model.
+        {"name": "sentence-transformer", "op": "sentence_transformer", "repo": "ld/sentence"},
+    ), Requests.ONE_PER_CACHE, setup=_saved_setup)
+
 GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("rank0-late", (LATE_RANK0, RANK1_ALONE), process_group=True),
     Group("per-rank-tokens", (PER_RANK_TOKENS,)),
     Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
+    Group("local-dir", (LOCAL_DIR, SAVED), homes="shared", nproc=2, nodes=2,
+          variants={"shm": {"PLT_RECORD_ATTACHES": "1"}}),
     Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
                            RANK_STATE, MISSING_REPO, TRAIN, ARCHITECTURES, INIT_ERROR,
                            BIN_ONLY),
@@ -462,6 +547,11 @@ def _hosts_unavailable() -> str | None:
 def _skip_if_no_hosts(group: str) -> None:
     if any(g.name == group and g.hosts for g in GROUPS) and _hosts_unavailable():
         pytest.skip(f"simulated hosts need root and unshare(1): {_hosts_unavailable()}")
+    if any(g.name == group and g.nodes for g in GROUPS):
+        import _nodes
+
+        if _nodes.unavailable():
+            pytest.skip(f"namespaced nodes: {_nodes.unavailable()}")
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -701,6 +702,86 @@ def test_call_keys_render_what_decides_a_result_and_never_raise(tmp_path, monkey
     for value in (NoRepr(), RaisingAttribute(), lambda: None):
         with pytest.raises(Unrenderable):
             deciding_arguments(load, ("org/model",), {"thing": value})
+
+
+@pytest.mark.tf4
+@pytest.mark.timeout(60)
+def test_call_keys_hold_the_real_path_of_a_download_folder(tmp_path, monkeypatch):
+    """``local_dir="model"`` (or sentence-transformers' ``cache_folder``) in two working
+    directories names two folders, existing or not: their calls have two keys; two names of
+    one folder one key."""
+    from huggingface_hub import snapshot_download
+
+    from patchload.coordination.key import deciding_arguments
+
+    keys = []
+    for rank in (0, 1, 0):
+        (tmp_path / f"cwd-{rank}").mkdir(exist_ok=True)
+        monkeypatch.chdir(tmp_path / f"cwd-{rank}")
+        keys.append(deciding_arguments(snapshot_download, ("org/model",),
+                                       {"local_dir": "model", "cache_folder": "st"}))
+    assert keys[0]["__dir__local_dir"] == f"dir:{tmp_path / 'cwd-0' / 'model'}"
+    assert keys[1]["__dir__local_dir"] == f"dir:{tmp_path / 'cwd-1' / 'model'}"
+    assert keys[0]["__dir__cache_folder"] != keys[1]["__dir__cache_folder"]
+    assert keys[0] == keys[2]
+    absolute = deciding_arguments(snapshot_download, ("org/model",),
+                                  {"local_dir": tmp_path / "cwd-0" / "model"})
+    assert absolute["__dir__local_dir"] == keys[0]["__dir__local_dir"]
+    assert "__dir__local_dir" not in deciding_arguments(snapshot_download, ("org/model",), {})
+
+
+@pytest.mark.tf4
+@pytest.mark.timeout(120)
+def test_local_dir_pins_are_its_download_metadata(tmp_path):
+    """What a rank's ``local_dir`` download pins (``call._local_dir_result_pin``) and a follower
+    compares with its leader's: real downloads from a loopback hub into folders at commit A and
+    at commit B (same names and sizes): the pins differ; one folder agrees with itself; a file
+    changed after its metadata, or without metadata, is unverifiable (differs even from
+    itself): an offline rerun would return it unchecked."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    from patchload.coordination.call import _differences, _local_dir_result_pin
+    from patchload.testing import LoopbackHub
+
+    def commit(name: str, fill: str) -> Path:
+        folder = tmp_path / name
+        (folder / "sub").mkdir(parents=True)
+        (folder / "config.json").write_text('{"a": 1}')
+        (folder / "sub" / "weights.bin").write_text(fill * 64)
+        return folder
+
+    def fetch(local_dir: Path) -> tuple[list, list]:
+        kwargs = {"endpoint": hub.endpoint, "cache_dir": tmp_path / "hf", "local_dir": local_dir}
+        file = hf_hub_download("u/ld", "weights.bin", subfolder="sub", **kwargs)
+        folder = snapshot_download("u/ld", **kwargs)
+        return (_local_dir_result_pin("hf_hub_download", ("u/ld", "weights.bin"),
+                                      {"subfolder": "sub", **kwargs}, file),
+                _local_dir_result_pin("snapshot_download", ("u/ld",), kwargs, folder))
+
+    with LoopbackHub() as hub:
+        hub.add_repo("u/ld", commit("a", "A"))
+        file_a, snapshot_a = fetch(tmp_path / "dir-a")
+        hub.add_repo("u/ld", commit("b", "B"))
+        file_b, snapshot_b = fetch(tmp_path / "dir-b")
+    assert file_a[0] == "local_dir" and file_a[1][0][0] == "sub/weights.bin"
+    assert file_a[1][0][1] != file_b[1][0][1] and file_a[1][0][2] != file_b[1][0][2]
+    assert [e[0] for e in snapshot_b[1]] == ["config.json", "sub/weights.bin"]
+    for mine, leader in ((file_a, file_b), (snapshot_a, snapshot_b)):
+        assert _differences({"k": mine}, {"k": leader}), (mine, leader)
+        assert _differences({"k": leader}, {"k": leader}) == []
+    weights = tmp_path / "dir-b" / "sub" / "weights.bin"
+    later = weights.stat().st_mtime + 10
+    os.utime(weights, (later, later))  # changed since huggingface_hub wrote its metadata
+    touched = _local_dir_result_pin("hf_hub_download", ("u/ld", "weights.bin"),
+                                    {"subfolder": "sub", "local_dir": tmp_path / "dir-b"},
+                                    str(weights))
+    assert _differences({"k": touched}, {"k": touched}), touched
+    metadata = tmp_path / "dir-b" / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    metadata.unlink()
+    snapshot = _local_dir_result_pin("snapshot_download", ("u/ld",), {"local_dir": "x"},
+                                     str(tmp_path / "dir-b"))
+    assert [e[0] for e in snapshot[1]] == ["sub/weights.bin"]  # what the metadata names
+    assert _differences({"k": snapshot}, {"k": snapshot}), snapshot  # touched, as above
 
 
 def test_call_keys_hold_the_process_state_that_decides_a_result(monkeypatch, tmp_path):

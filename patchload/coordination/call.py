@@ -74,6 +74,9 @@ class Mode:
             follower answers cache lookups that take no ``cache_dir`` (``file_exists``).
         local: the leader's fingerprints of the local paths among the call's arguments (it
             announces them with its files; see :func:`_local_paths`).
+        asked_offline: followers: the ``local_files_only`` the caller of the outermost
+            coordinated call asked for (its rerun passes True, and libraries pass that on to
+            the objects they build: :func:`_as_asked` undoes it in each).
     """
 
     lead: bool
@@ -84,6 +87,7 @@ class Mode:
     leader: _coordinate.LeaderView | None = None
     cache_dir: str | os.PathLike[str] | None = None
     local: dict[str, Any] = field(default_factory=dict)
+    asked_offline: bool = False
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -178,6 +182,55 @@ def _pin_of(path: str) -> list[Any] | None:
         return None
 
 
+def _metadata_pin(local_dir: str, name: str) -> list[Any]:
+    """``[name, commit, etag, size]`` of the file ``name`` (a repo path) of a ``local_dir``
+    download, from the download metadata huggingface_hub keeps beside it
+    (``<local_dir>/.cache/huggingface/download/<name>.metadata``: commit, etag, timestamp);
+    ``[name, None, None, size]`` (unverifiable: see :func:`_differences`) when that metadata is
+    missing, unreadable or older than the file (huggingface_hub ignores it then too), or
+    ``[name, None, None, None]`` without the file. Read without huggingface_hub's lock, which
+    would create files in the folder; never raises."""
+    file_path = os.path.join(local_dir, *name.split("/"))
+    metadata = os.path.join(local_dir, ".cache", "huggingface", "download",
+                            *f"{name}.metadata".split("/"))
+    try:
+        st = os.stat(file_path)
+    except OSError:
+        return [name, None, None, None]
+    try:
+        with open(metadata, encoding="utf-8") as f:
+            commit, etag, timestamp = (f.readline().strip() for _ in range(3))
+        fresh = st.st_mtime - 1 <= float(timestamp)  # huggingface_hub's own test
+    except (OSError, ValueError, UnicodeDecodeError):
+        fresh = False
+    if not fresh or not commit or not etag:
+        return [name, None, None, st.st_size]
+    return [name, commit, etag, st.st_size]
+
+
+def _local_dir_pin(local_dir: str, names: list[str] | None) -> list[Any]:
+    """``["local_dir", [file pins]]``: :func:`_metadata_pin` of each of ``names`` in a
+    ``local_dir`` download, or (``names`` None: a snapshot into it) of every file the folder's
+    download metadata names, sorted, bounded (a folder with more than
+    :data:`_FINGERPRINT_MAX_FILES` gets one unverifiable entry)."""
+    if names is None:
+        names = []
+        root = os.path.join(local_dir, ".cache", "huggingface", "download")
+        for folder, dirs, files in os.walk(root):
+            dirs.sort()
+            names += [os.path.relpath(os.path.join(folder, f), root)[:-len(".metadata")]
+                      .replace(os.sep, "/") for f in sorted(files) if f.endswith(".metadata")]
+            if len(names) > _FINGERPRINT_MAX_FILES:
+                return ["local_dir", [["*", None, None, None]]]
+    return ["local_dir", [_metadata_pin(local_dir, name) for name in sorted(names)]]
+
+
+def _unverifiable(pin: Any) -> bool:
+    """A ``local_dir`` pin with a file whose metadata cannot vouch for it."""
+    return (isinstance(pin, list) and len(pin) == 2 and pin[0] == "local_dir"
+            and any(entry[1] is None for entry in pin[1]))
+
+
 def _pin_key(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """The key under which a hub call's result is pinned (one of :data:`_PINNED`):
     ``<type>:<repo>:<path>`` (``*`` for a snapshot, ``*<digest>`` for one of some files),
@@ -206,9 +259,29 @@ def record_hub_result(mode: Mode, name: str, args: tuple[Any, ...], kwargs: dict
         pin = None
     elif name == "resolve_revision":  # a str equal to the revision asked, holding the commit
         pin = [str(getattr(result, "resolved", result))]
+    elif not isinstance(result, (str, os.PathLike)):
+        pin = None
+    elif kwargs.get("local_dir") is not None:
+        # Not in the hub cache (no snapshots/<commit> in its path, no refs/): its metadata.
+        pin = _local_dir_result_pin(name, args, kwargs, os.fspath(result))
     else:
-        pin = _pin_of(result) if isinstance(result, (str, os.PathLike)) else None
+        pin = _pin_of(result)
     add_pins(mode, {_pin_key(name, args, kwargs): pin})
+
+
+def _local_dir_result_pin(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                          result: str) -> list[Any]:
+    """The pin of a hub download into a ``local_dir`` (:func:`_local_dir_pin`): the file an
+    ``hf_hub_download`` returned (``<local_dir>/<subfolder>/<filename>``, the folder as the hub
+    resolved it), or every file of the folder a ``snapshot_download`` returned."""
+    if name != "hf_hub_download":
+        return _local_dir_pin(result, None)
+    filename = kwargs.get("filename", args[1] if len(args) > 1 else None)
+    subfolder = kwargs.get("subfolder") or ""
+    repo_path = f"{subfolder}/{filename}" if subfolder else str(filename)
+    if not result.replace(os.sep, "/").endswith("/" + repo_path):
+        return ["local_dir", [[repo_path, None, None, None]]]  # not where expected: unverifiable
+    return _local_dir_pin(result[:-len(repo_path) - 1], [repo_path])
 
 
 def add_pins(mode: Mode, pins: dict[str, Any]) -> None:
@@ -255,9 +328,12 @@ def _differences(mine: dict[str, Any], leader: dict[str, Any]) -> list[str]:
     """How this rank's pins differ from the leader's (empty: they agree): a file both resolved,
     at another commit or blob, or present on one side and absent on the other. A file only one
     side asked for is not compared: transformers answers some from the cache without a hub call
-    once a commit is pinned, and the leader makes online checks a follower skips."""
+    once a commit is pinned, and the leader makes online checks a follower skips. A ``local_dir``
+    file whose download metadata cannot vouch for it always differs (:func:`_unverifiable`): an
+    offline ``local_dir`` download returns any file it finds there."""
     return [f"{key}: {value!r} here, {leader[key]!r} on the leader"
-            for key, value in sorted(mine.items()) if key in leader and leader[key] != value]
+            for key, value in sorted(mine.items())
+            if key in leader and (leader[key] != value or _unverifiable(value))]
 
 
 def verify_so_far(mode: Mode) -> None:
@@ -280,14 +356,21 @@ def _offline(kwargs: dict[str, Any]) -> dict[str, Any]:
     return offline
 
 
-def _as_asked(result: Any, kwargs: dict[str, Any]) -> Any:
+def _as_asked(result: Any, asked_offline: bool) -> Any:
     """``result`` of a call a follower made offline, showing the ``local_files_only`` its caller
-    asked for where it records its arguments: a tokenizer keeps it in ``init_kwargs``, which
-    ``save_pretrained`` writes into ``tokenizer_config.json`` (plain: the argument, or True in
-    offline mode, as ``PreTrainedTokenizerBase.from_pretrained`` sets it)."""
+    asked for (``asked_offline``) where it records its arguments: a tokenizer keeps it in
+    ``init_kwargs``, which ``save_pretrained`` writes into ``tokenizer_config.json`` (plain: the
+    argument, or True in offline mode, as ``PreTrainedTokenizerBase.from_pretrained`` sets it).
+
+    A tokenizer built inside the call (a processor's, a sentence-transformers module's) got the
+    follower's True from the library that built it, as the library passes its own
+    ``local_files_only`` on: each is undone as it is built (:func:`_nested`), against what the
+    outermost caller asked. (A library that passed a literal True of its own where its caller
+    asked for nothing would be undone too; transformers, sentence-transformers, diffusers and
+    peft pass their argument on.)"""
     init_kwargs = getattr(result, "init_kwargs", None)
     if (isinstance(init_kwargs, dict) and init_kwargs.get("local_files_only") is True
-            and not kwargs.get("local_files_only")):
+            and not asked_offline):
         from huggingface_hub import constants
 
         init_kwargs["local_files_only"] = bool(constants.HF_HUB_OFFLINE)
@@ -370,14 +453,17 @@ class _Coordinated:
 
     def follow(self, call: _coordinate.Call, role: _coordinate.Role,
                leader: _coordinate.LeaderView) -> Any:
+        outer = _MODE.get()
+        asked = outer.asked_offline if outer is not None and not outer.lead else bool(
+            self.kwargs.get("local_files_only"))
         mode = Mode(lead=False, call=call, leader=leader, loads_model=self.share is not None,
-                    cache_dir=self.kwargs.get("cache_dir"))
+                    cache_dir=self.kwargs.get("cache_dir"), asked_offline=asked)
         rng = _rng_state()
         kwargs = _offline(self.kwargs) if self.offline_kwarg else self.kwargs
         try:
             if self.local:
                 self._check_local(mode)
-            result = _as_asked(self._run(mode, self.wrapped, kwargs), self.kwargs)
+            result = _as_asked(self._run(mode, self.wrapped, kwargs), mode.asked_offline)
             differences = _differences(mode.pins, mode.payload.get("pins", {}))
             if differences:
                 raise VerificationFailed("; ".join(differences[:3]))
@@ -589,7 +675,7 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
     elif name in _PINNED and not _IN_SNAPSHOT.get():
         mode.wait_pin(_pin_key(name, args, kwargs))
     return _recorded(mode, name, args, kwargs,
-                     lambda: _as_asked(wrapped(*args, **_offline(kwargs)), kwargs))
+                     lambda: _as_asked(wrapped(*args, **_offline(kwargs)), mode.asked_offline))
 
 
 def _cache_dir(kwargs: dict[str, Any]) -> str:
@@ -628,6 +714,11 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     hub_scope = download_scope(config, topology, job_store())
     if kwargs.get("cache_dir") and deciding["__cache__"] != _cache_dir({}):
         hub_scope = "node"
+    # A folder the call downloads into (local_dir=, cache_folder=) may be another folder on
+    # another node under the same path (node-local disk): nothing shows it is one folder (the
+    # scope's marker test covers the hub cache only), so such a call is shared per node only.
+    if any(part.startswith("__dir__") for part in deciding):
+        scope = hub_scope = "node"
     call = _coordinate.call_key(name, deciding, scope=scope or hub_scope, topology=topology,
                                 config=config, what=what, watch=_repo_folder(args, kwargs))
     # The process-level parts of the key, which rank 0 publishes: a rank whose parts differ

@@ -9,6 +9,9 @@ Two ranks meet at one call only when their renderings are equal, so rendering is
   fingerprints it); so does any other string argument that names one (``config="./cfg"``), as
   ``__path__<name>``, except the folders a call writes (``cache_dir``, sentence-transformers'
   ``cache_folder``, ``local_dir``: a leader creates them meanwhile);
+- a folder a call downloads into (``local_dir``, sentence-transformers' ``cache_folder``) adds its
+  real absolute path, existing or not, as ``__dir__<name>`` (``local_dir="model"`` in two working
+  directories names two folders: ranks that name two folders never meet at one call);
 - containers recursively (sets sorted), configs by their ``to_dict()``, dtypes and devices by
   name, tensors and modules by structure (names, shapes, dtypes), never by their values' bytes;
 - anything else that has no stable, bounded rendering (an object whose ``repr`` raises or names
@@ -27,7 +30,7 @@ import os
 import re
 from typing import Any, Callable, Final
 
-__all__ = ["Unrenderable", "deciding_arguments", "digest", "process_state"]
+__all__ = ["DOWNLOAD_DIRS", "Unrenderable", "deciding_arguments", "digest", "process_state"]
 
 _MAX_ITEMS: Final = 100_000
 _MAX_CHARS: Final = 1_000_000
@@ -46,6 +49,9 @@ SOURCES: Final = frozenset({"pretrained_model_name_or_path", "model_name_or_path
                             "peft_model_id", "arg0"})
 # Folders a call writes into: whether they exist yet says nothing about the result.
 _OUTPUTS: Final = frozenset({"cache_dir", "cache_folder", "local_dir", "offload_folder"})
+# Folders a call downloads into whose real path is part of its identity (``cache_dir`` is the
+# caller's: see ``call._cache_dir``).
+DOWNLOAD_DIRS: Final = frozenset({"cache_folder", "local_dir"})
 
 
 class Unrenderable(Exception):
@@ -73,6 +79,21 @@ def _local_path(value: Any) -> str | None:
         return "path:" + os.path.realpath(value) if os.path.exists(value) else None
     except (OSError, ValueError):
         return None
+
+
+def _folder(value: Any) -> str | None:
+    """``dir:<real path>`` of a folder a call downloads into, whether it exists yet or not (with
+    ``~`` expanded, and not: huggingface_hub 0.x takes it literally, 1.x expands it), else
+    None."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value or len(value) > 4096:
+        return None
+    try:
+        real = {os.path.realpath(value), os.path.realpath(os.path.expanduser(value))}
+    except (OSError, ValueError):
+        return None
+    return "dir:" + "|".join(sorted(real))
 
 
 def _render(value: Any, budget: _Budget) -> str:
@@ -144,7 +165,8 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
     Returns:
         ``{name: rendering}`` without the arguments that never change the result, plus
         ``__source__: "path:<real path>"`` when the source is a local path and
-        ``__path__<name>: "path:<real path>"`` for every other argument naming one.
+        ``__path__<name>: "path:<real path>"`` for every other argument naming one, and
+        ``__dir__<name>: "dir:<real path>"`` for each folder of :data:`DOWNLOAD_DIRS` given.
 
     Raises:
         Unrenderable: an argument has no stable, bounded rendering (the message says which).
@@ -171,6 +193,8 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
             continue
         if name not in SOURCES and name not in _OUTPUTS and (path := _local_path(value)):
             rendered[f"__path__{name}"] = path  # the same string names another file elsewhere
+        if name in DOWNLOAD_DIRS and (folder := _folder(value)):
+            rendered[f"__dir__{name}"] = folder
         if name in _SECRETS:
             token = value if isinstance(value, (str, bool, type(None))) else repr(type(value))
             rendered[name] = _secret_digest(token)

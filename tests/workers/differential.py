@@ -10,7 +10,9 @@ Usage: ``differential.py PLAN.json``. The plan is::
 
 ``per_rank`` is applied first thing, before huggingface_hub or transformers is imported (both
 freeze ``HF_HOME`` and friends at import): a rank with its own cache or working directory starts
-as if launched with them.
+as if launched with them. Its ``copy`` (``[[source, destination], ...]``) is made first: each
+rank copies the source folder beside the destination, and the first rename wins (the ranks of a
+node fill one node-local folder, race-free).
 
 With ``"process_group": "gloo"`` in the plan, every rank first joins a gloo process group
 (``env://``, torchrun's variables). With ``"init_process_group": "tcp://host:port"`` in the plan, every rank first joins a gloo
@@ -23,6 +25,9 @@ A step (every key but ``name`` and ``op`` is optional):
   (``GenerationConfig``), ``tokenizer`` (``AutoTokenizer``), ``hf_hub_download`` (each of
   ``filenames``, one after another), ``snapshot_download``, ``thread_pool`` (``hf_hub_download``
   of each of ``filenames`` from a user ``ThreadPoolExecutor``, all at once).
+* ``processor`` (``AutoProcessor``) and ``sentence_transformer`` (``SentenceTransformer``):
+  the object is saved (``save_pretrained``, ``save``) into a folder of this rank's and every
+  saved file recorded (``saved_files``).
 * ``repo``: repo id or path (``"./ckpt"`` resolves against the rank's working directory);
   ``cls``: the transformers class for ``model`` (default ``AutoModelForCausalLM``);
   ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``).
@@ -62,6 +67,17 @@ PLAN = json.loads(Path(sys.argv[1]).read_text())
 _RANK = os.environ.get("PLT_RANK") or os.environ.get("RANK", "0")  # as _common.RANK
 _MINE = PLAN.get("per_rank", {}).get(_RANK, {})
 os.environ.update(_MINE.get("env", {}))
+for _source, _destination in _MINE.get("copy", []):
+    if not os.path.isdir(_destination):
+        import shutil
+
+        _mine = f"{_destination}.rank-{_RANK}"
+        shutil.copytree(_source, _mine, symlinks=True)
+        try:
+            os.makedirs(os.path.dirname(_destination), exist_ok=True)
+            os.rename(_mine, _destination)
+        except OSError:  # another rank of this node was first
+            shutil.rmtree(_mine)
 if _MINE.get("cwd"):
     os.chdir(_MINE["cwd"])
 os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{_RANK}"
@@ -262,6 +278,52 @@ def op_tokenizer(step: dict[str, Any]) -> dict[str, Any]:
             "init_kwargs": jsonable(tok.init_kwargs)}
 
 
+def saved_files(folder: Path) -> dict[str, Any]:
+    """Every file under ``folder``: its sha256 (of the text with the run's directory and the
+    hub's address normalised, for a text file) and, for a small text file, the text itself (a
+    readable difference)."""
+    out: dict[str, Any] = {}
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        try:
+            text = norm(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            text = None
+        name = path.relative_to(folder).as_posix()
+        out[name] = {"sha256": hashlib.sha256(data if text is None else text.encode()).hexdigest()}
+        if text is not None and len(text) < 20_000:
+            out[name]["text"] = text
+    return out
+
+
+def _save_dir(step: dict[str, Any]) -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f"save-{RANK}-"))
+
+
+def op_processor(step: dict[str, Any]) -> dict[str, Any]:
+    processor = transformers.AutoProcessor.from_pretrained(step["repo"], **_kwargs(step))
+    folder = _save_dir(step)
+    processor.save_pretrained(folder)
+    return {"class": type(processor).__name__, "saved": saved_files(folder)}
+
+
+def op_sentence_transformer(step: dict[str, Any]) -> dict[str, Any]:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(step["repo"], device="cpu", **_kwargs(step))
+    folder = _save_dir(step)
+    model.save(str(folder))
+    embeddings = model.encode(SENTENCES, convert_to_numpy=True)
+    return {"saved": saved_files(folder),
+            "embeddings": hashlib.sha256(embeddings.tobytes()).hexdigest(),
+            # what a later save (after training) asks the hub about
+            "card_local_files_only": model.model_card_data.local_files_only}
+
+
 def op_hf_hub_download(step: dict[str, Any]) -> dict[str, Any]:
     from huggingface_hub import hf_hub_download
 
@@ -283,8 +345,16 @@ def op_snapshot_download(step: dict[str, Any]) -> dict[str, Any]:
     from huggingface_hub import snapshot_download
 
     folder = Path(snapshot_download(step["repo"], **_kwargs(step)))
-    files = {p.relative_to(folder).as_posix(): file_sha(p)
-             for p in sorted(folder.rglob("*")) if p.is_file()}
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if not path.is_file():
+            continue
+        if name.startswith(".cache/"):  # a local_dir's download metadata: commit and etag
+            if name.endswith(".metadata"):  # (its third line is a time)
+                files[name] = path.read_text().splitlines()[:2]
+            continue
+        files[name] = file_sha(path)
     return {"folder": norm(str(folder)), "files": files}
 
 
@@ -292,6 +362,7 @@ OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "model": op_model, "config": op_config, "generation_config": op_generation_config,
     "tokenizer": op_tokenizer, "hf_hub_download": op_hf_hub_download,
     "thread_pool": op_thread_pool, "snapshot_download": op_snapshot_download,
+    "processor": op_processor, "sentence_transformer": op_sentence_transformer,
     "train": op_train, "model_to": op_model_to, "blob_handles": op_blob_handles}
 
 
