@@ -27,13 +27,13 @@ copied on write, one INFO line says why. A raw ``data_ptr()`` kept by user code 
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from ._logging import get_logger
 from ._patching import Patch
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MappedModels", "write_patches"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass(eq=False)

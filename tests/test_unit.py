@@ -132,8 +132,9 @@ def test_unknown_variable_warns_once_with_the_closest_name(caplog, monkeypatch):
     assert [(r.name, r.levelno) for r in caplog.records] == [("patchload._config",
                                                              logging.WARNING)] * 2
     assert sorted(r.getMessage() for r in caplog.records) == [
-        "unknown variable PATCHLOAD_TRANPORT (did you mean PATCHLOAD_TRANSPORT?): ignored",
-        "unknown variable PATCHLOAD_XYZZY: ignored (patchload reads PATCHLOAD, "
+        "patchload [rank 0/1] unknown variable PATCHLOAD_TRANPORT (did you mean "
+        "PATCHLOAD_TRANSPORT?): ignored",
+        "patchload [rank 0/1] unknown variable PATCHLOAD_XYZZY: ignored (patchload reads PATCHLOAD, "
         "PATCHLOAD_DOWNLOAD_SCOPE, PATCHLOAD_BROADCAST, PATCHLOAD_TRANSPORT, PATCHLOAD_TIMEOUT, "
         "PATCHLOAD_HEARTBEAT, PATCHLOAD_CLAIM_GRACE, PATCHLOAD_EXIT_WAIT, "
         "PATCHLOAD_ARRIVAL_WINDOW, PATCHLOAD_GROUP_TIMEOUT, PATCHLOAD_PROGRESS_WARNING, "
@@ -145,8 +146,8 @@ def test_unknown_variable_is_reported_at_import():
                    PATCHLOAD_TRANPORT="shm")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "auto\n"
-    assert proc.stderr == ("unknown variable PATCHLOAD_TRANPORT (did you mean "
-                           "PATCHLOAD_TRANSPORT?): ignored\n")
+    assert proc.stderr == ("patchload [rank 0/1] unknown variable PATCHLOAD_TRANPORT (did you "
+                           "mean PATCHLOAD_TRANSPORT?): ignored\n")
     # Disabled: nothing is read, nothing reported.
     proc = _python("import patchload", PATCHLOAD="off", PATCHLOAD_TRANPORT="shm")
     assert (proc.returncode, proc.stderr) == (0, "")

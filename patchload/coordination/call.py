@@ -26,13 +26,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Iterator
 
 from .. import _state
+from .._logging import get_logger
 from .._topology import current_topology
 from . import protocol as _coordinate
 from .key import Unrenderable, deciding_arguments, digest, process_state
@@ -43,7 +43,7 @@ __all__ = ["Mode", "VerificationFailed", "add_pins", "context_patches", "current
            "coordinated", "plain", "record_hub_result", "verify_so_far",
            "without_waiting"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _FINGERPRINT_MAX_FILES: Final = 10_000
 _HUB_DOWNLOADS: Final = ("hf_hub_download", "snapshot_download")

@@ -17,7 +17,6 @@ import collections
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import threading
 import time
@@ -26,6 +25,7 @@ from typing import Any, Callable, Final, Iterator, TypeVar
 
 from .._config import Config
 from .._errors import LeaderFailedError, PatchloadTimeout, describe_exception, follower_exception
+from .._logging import get_logger
 from .._topology import Topology
 from .beats import KEEP_BEAT_KEYS, Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
@@ -36,7 +36,7 @@ __all__ = ["Call", "LeaderView", "Role", "announcement", "call_key", "claim", "f
            "finish", "leader_first", "leading", "node_leaders_call", "publish", "publish_pins",
            "raise_failure", "wait_outcome"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 

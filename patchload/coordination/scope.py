@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import logging
 import os
 import time
 import uuid
@@ -27,12 +26,13 @@ from pathlib import Path
 from typing import Final
 
 from .._config import Config
+from .._logging import get_logger
 from .._topology import Topology
 from .store import JobStore
 
 __all__ = ["download_scope"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _POLL_S: Final = 0.05
 _DECIDED: dict[str, str] = {}

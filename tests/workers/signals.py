@@ -1,10 +1,13 @@
 """Rank worker: one slow download and one config, for the log lines each rank prints.
 
 ``--without-rank0``: rank 0 makes no call at all; the others load one config (timed).
+``--basic-config``: the script calls ``logging.basicConfig(level=logging.INFO)`` after
+``import patchload``, as ``run_clm.py`` does.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -19,6 +22,8 @@ def body(report: dict) -> None:
     from huggingface_hub import hf_hub_download
     from transformers import AutoConfig
 
+    if "--basic-config" in sys.argv:
+        logging.basicConfig(level=logging.INFO)
     if "--without-rank0" in sys.argv:
         if RANK != 0:
             start = time.monotonic()
