@@ -7,7 +7,6 @@ receive them. With one process every patched call passes straight through.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 from . import _state
@@ -56,11 +55,12 @@ def install(config: Config | None = None) -> None:
         ConfigError: a ``PATCHLOAD_*`` variable holds a bad value.
     """
     from ._config import _read
+    from ._logging import configure
     from ._patching import install_patches
     from .coordination.scope import announce_when_hub_imported
 
     cfg = config or _read()
-    _configure_logging(cfg)
+    configure(cfg.log_level)
     _state.set_active(True, cfg)
     install_patches(_patches())
     announce_when_hub_imported()
@@ -120,18 +120,10 @@ def main_process_first(scope: str = "node"):  # type: ignore[no-untyped-def]
     return _main_process_first(scope)
 
 
-def _configure_logging(cfg: Config) -> None:
-    # Only when the user asked for a level explicitly: a library leaves logging alone otherwise.
-    if cfg.log_level is None:
-        return
-    log = logging.getLogger("patchload")
-    log.setLevel(cfg.log_level)
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        log.addHandler(handler)
-
-
 _config_at_import = load_config()
 if _config_at_import.enabled:
     install(_config_at_import)
+else:  # nothing is patched, but a warning still says it is patchload's
+    from ._logging import configure as _configure_logging
+
+    _configure_logging(_config_at_import.log_level)

@@ -91,10 +91,12 @@ def doctor() -> list[str]:
     """The report's lines.
 
     Rank 0 (or a process outside any launcher): the full report: topology, switches, store,
-    scope, transport, wait bounds, versions, patches. Any other rank: its one :func:`rank_line`.
+    scope, transport, wait bounds, logging, versions, patches. Any other rank: its one
+    :func:`rank_line`.
     """
     import patchload
     from patchload import _state
+    from patchload._logging import describe as describe_logging
 
     cfg = _state.config()
     topo = patchload.topology()
@@ -113,7 +115,7 @@ def doctor() -> list[str]:
                   f"hub cache: {constants.HF_HUB_CACHE}"]
         lines += [f"{pkg}: {_version(pkg)}" for pkg in
                   ("torch", "transformers", "huggingface_hub", "safetensors", "wrapt", "filelock")]
-        return lines
+        return lines + [describe_logging()]
     lines.append("patchload: on (PATCHLOAD)")
     if not topo.distributed:
         lines.append("world size 1: every patched call passes straight through")
@@ -141,7 +143,8 @@ def doctor() -> list[str]:
               f"window {_seconds(cfg.arrival_window_s)}, group timeout "
               f"{_seconds(cfg.group_timeout_s)}, progress warning "
               f"{_seconds(cfg.progress_warning_s)}",
-              f"bucket: {cfg.bucket_bytes / 2**20:g} MiB"]
+              f"bucket: {cfg.bucket_bytes / 2**20:g} MiB",
+              describe_logging()]
     from huggingface_hub import constants
 
     lines.append(f"hub cache: {constants.HF_HUB_CACHE}")

@@ -18,18 +18,19 @@ handles it opens itself, or takes a state dict). Linux only. Nothing here is col
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import struct
 from typing import TYPE_CHECKING, Any, Final, Sequence
+
+from ._logging import get_logger
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["MappedSlice", "describe", "maps_as_plain", "mapped_state_dict"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # The safetensors format's dtype names (https://huggingface.co/docs/safetensors, "Format");
 # a file with any other is not described.

@@ -8,8 +8,9 @@ imports transformers at import time: each function imports what it needs when ca
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
+
+from ._logging import get_logger
 
 if TYPE_CHECKING:
     import torch
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["config_base", "describe_loading_info", "dtype_plan", "init_copy_",
            "initialized_by_follower", "loaded_from_leader", "warm_conversions"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def dtype_plan(arguments: dict[str, Any]) -> Any:

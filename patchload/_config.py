@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from typing import Final, Mapping
 
 from ._errors import ConfigError
+from ._logging import get_logger
 from ._topology import current_topology
 
 __all__ = ["Config", "load_config"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _SCOPES: Final = ("auto", "node", "job")
 _TRANSPORTS: Final = ("auto", "shm", "collective")
@@ -113,7 +114,7 @@ class Config:
     """``PATCHLOAD_BUCKET_MB`` (in MiB, stored here in bytes): collective broadcast bucket size."""
     log_level: str | None = None
     """``PATCHLOAD_LOG_LEVEL``: level of the ``patchload`` logger (a ``logging`` level name);
-    None when unset: the library then leaves logging alone (effectively WARNING)."""
+    None when unset: WARNING, and no handler of patchload's own (see :mod:`patchload._logging`)."""
 
 
 def _invalid(env: Mapping[str, str], name: str, raw: str, accepted: str) -> ConfigError:

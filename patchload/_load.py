@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Final
 
@@ -33,6 +32,7 @@ from ._alongside import describe, mapped_state_dict, maps_as_plain
 from ._compat import (describe_loading_info, dtype_plan, initialized_by_follower,
                       loaded_from_leader, warm_conversions)
 from ._convert import state_of_a_new_thread
+from ._logging import get_logger
 from ._patching import Patch
 from ._tensors import Owners, entries_of, named_tensors
 from ._writes import write_patches
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["load_patches", "from_pretrained", "receive", "checkpoint_header"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # from_pretrained keyword arguments under which patchload does not share weights.
 _UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size",

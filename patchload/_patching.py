@@ -10,7 +10,6 @@ huggingface_hub import hf_hub_download`` copies the function into the importing 
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from dataclasses import dataclass
@@ -20,10 +19,11 @@ import wrapt
 
 from . import _state
 from ._errors import PatchConflictError
+from ._logging import get_logger
 
 __all__ = ["Patch", "install_patches", "uninstall_patches", "installed_patches"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 

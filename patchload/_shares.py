@@ -17,12 +17,12 @@ from the cache the leader filled (with a warning).
 from __future__ import annotations
 
 import atexit
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from ._logging import get_logger
 from .coordination.beats import JOIN_AT_EXIT_S
 from .coordination.followers import pending_followers, wait_followers_done
 from .coordination.protocol import Call
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["OpenShares"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _WATCH_S: Final = 0.5  # how often the leader's mappings are looked at (no store request)
 _LATE_S: Final = 5.0  # how long after the share a rank that has not arrived is waited for

@@ -13,8 +13,13 @@ require a gradient, first copy every tensor of the affected loaded model that ma
 into private memory of this rank, in bulk, and drop the mapping. Once every rank of the node has
 done so (and the leader closed the blob's fd) the shared copy is gone and the node holds what a
 plain load gives: one private copy per rank. A model only read (inference, evaluation, frozen
-weights under adapters) keeps mapping the shared copy. One INFO line per model says which
-happened.
+weights under adapters) keeps mapping the shared copy.
+
+Whatever ends a model's use of the shared copy on a rank (those two calls, a move to a device or
+to ``torch.device("cpu", 0)`` as the HF Trainer's on CPU, a ``.to(other dtype)``, ``del model``),
+one INFO line of that rank says so once, with the cause as far as it can be told and the bytes
+copied out: a thread of the process looks every ``_WATCH_S`` seconds (no store request) whether
+the model's tensors still map the blob, while any tracked model does.
 
 The copy changes no value, shape, stride, dtype or object identity: every ``Parameter`` and
 buffer keeps its Python object (``tensor.data = copy``), so the references DDP, an optimizer or
@@ -27,21 +32,26 @@ copied on write, one INFO line says why. A raw ``data_ptr()`` kept by user code 
 
 from __future__ import annotations
 
-import logging
+import atexit
+import itertools
 import sys
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Final, Iterable
 
+from ._logging import get_logger
 from ._patching import Patch
+from .coordination.beats import JOIN_AT_EXIT_S
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["MappedModels", "write_patches"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
+
+_WATCH_S: Final = 0.5  # how often the tracked models' mappings are looked at (no store request)
 
 
 @dataclass(eq=False)
@@ -50,27 +60,89 @@ class _Mapped:
     storage_ptrs: frozenset[int]  # data_ptr of each storage viewing this rank's mapping of a blob
     mappings: list[Any]  # StorageWeakRef of those storages: the mapping goes with the last
     prefix: str
+    nbytes: int  # bytes of those storages
+    dtype: Any  # the model's first tensor's dtype when loaded (to name a conversion)
+    cause: str | None = None  # set once patchload itself copied the model out
+    copied_bytes: int = 0  # what that copy took out
 
     def live(self) -> bool:
-        return self.model() is not None and not all(m.expired() for m in self.mappings)
+        return self.model() is not None and not self.unmapped()
+
+    def unmapped(self) -> bool:
+        """Whether no storage of this rank views the blob through this model any more."""
+        return all(m.expired() for m in self.mappings)
 
 
 class MappedModels:
     """The loaded models of this process whose tensors map a shared blob. Thread-safe."""
 
     def __init__(self) -> None:
-        self._mapped: list[_Mapped] = []
+        self._mapped: list[_Mapped] = []  # not yet copied out (nor refused) by before_writes
+        self._watched: list[_Mapped] = []  # until the shared copy ended for them on this rank
         self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._exit_hooked = False
 
     def add(self, model: Any, storages: list[torch.UntypedStorage], prefix: str) -> None:
         """Track ``model``, whose tensors have ``storages`` (one per tensor, each viewing this
-        rank's ``MAP_PRIVATE`` mapping of a blob). Not collective."""
+        rank's ``MAP_PRIVATE`` mapping of a blob), and watch for the end of that. Not
+        collective."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
+        first = next(itertools.chain(model.parameters(), model.buffers()), None)
         mapped = _Mapped(weakref.ref(model), frozenset(s.data_ptr() for s in storages),
-                         [StorageWeakRef(s) for s in storages], prefix)
+                         [StorageWeakRef(s) for s in storages], prefix,
+                         sum(s.nbytes() for s in storages),
+                         None if first is None else first.dtype)
         with self._lock:
             self._mapped.append(mapped)
+            self._watched.append(mapped)
+            if not self._exit_hooked:
+                atexit.register(self.stop_at_exit)
+                self._exit_hooked = True
+            if self._watcher is None and not self._stopping.is_set():
+                self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                                 name="patchload-mapped")
+                self._watcher.start()
+
+    def stop_at_exit(self) -> None:
+        """Stop and join the watcher (at most ``JOIN_AT_EXIT_S``): nothing is logged at exit."""
+        self._stopping.set()
+        with self._lock:
+            watcher = self._watcher
+        if watcher is not None:
+            watcher.join(JOIN_AT_EXIT_S)
+
+    def _watch(self) -> None:
+        """Until no tracked model maps a blob: log each end of the shared copy (see the module
+        docstring)."""
+        try:
+            while not self._stopping.is_set():
+                with self._lock:
+                    if not self._watched:
+                        self._watcher = None  # under the lock: the next add starts a watcher
+                        return
+                    watched = list(self._watched)
+                for mapped in watched:
+                    if mapped.unmapped() and not self._stopping.is_set():
+                        self._ended(mapped)
+                self._stopping.wait(_WATCH_S)
+        except Exception as err:  # noqa: BLE001 - only a log line is lost
+            logger.debug("watching the mapped models failed: %s: %s", type(err).__name__, err)
+        with self._lock:
+            self._watcher = None
+
+    def _ended(self, mapped: _Mapped) -> None:
+        """The one INFO line saying that ``mapped``'s model no longer maps the node's shared
+        copy on this rank."""
+        with self._lock:
+            if mapped not in self._watched:
+                return  # already said
+            self._watched.remove(mapped)
+        cause, copied = _cause(mapped)
+        logger.info("%s: the node's shared copy of the weights ended on this rank (%s): %d bytes "
+                    "copied out", mapped.prefix, cause, copied)
 
     def __bool__(self) -> bool:
         return bool(self._mapped)
@@ -98,11 +170,43 @@ class MappedModels:
             if model is None:
                 continue
             try:
-                _copy_out(model, mapped, why)
+                copied = _copy_out(model, mapped, why)
             except Exception as err:  # noqa: BLE001 - values are equal either way: go on mapped
                 logger.warning("%s: %s; copying its weights out of the node's shared copy "
                                "failed (%s: %s): pages are copied as they are written instead",
                                mapped.prefix, why, type(err).__name__, err)
+                continue
+            del model
+            if copied is not None:
+                mapped.cause, mapped.copied_bytes = f"{why}, before they are written", copied
+                if mapped.unmapped():  # at once, as a plain load's memory would be now
+                    self._ended(mapped)
+
+
+def _cause(mapped: _Mapped) -> tuple[str, int]:
+    """What ended ``mapped``'s use of the shared copy, as far as it can be told, and the bytes
+    copied out. Reads one tensor of the model (from the watcher thread: no iteration)."""
+    if mapped.cause is not None:
+        return mapped.cause, mapped.copied_bytes
+    model = mapped.model()
+    if model is None:
+        return "the model was freed", 0
+    try:
+        first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    except Exception:  # noqa: BLE001 - the model changing under this thread: cause unknown
+        first = None
+    del model
+    if first is None:
+        return "its tensors left the shared copy", mapped.nbytes
+    converted = first.dtype != mapped.dtype
+    if first.device.type != "cpu":
+        cause = f"moved to {first.device}" + (f" as {first.dtype}" if converted else "")
+    elif converted:
+        cause = f"converted to {first.dtype}"
+    else:
+        cause = ("copied into new CPU tensors, as by Module.to(torch.device('cpu', 0)) in the "
+                 "HF Trainer")
+    return cause, mapped.nbytes
 
 
 def _storage_ptr(tensor: Any) -> int | None:
@@ -147,7 +251,9 @@ def _held_elsewhere(views: list[torch.Tensor], sharing: dict[int, int]) -> bool:
     return False
 
 
-def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
+def _copy_out(model: Any, mapped: _Mapped, why: str) -> int | None:
+    """Copy ``model``'s tensors that view ``mapped`` into private memory; returns the bytes
+    copied, or None when it would not keep what the model's users see (logged)."""
     import torch
 
     seen: set[int] = set()
@@ -161,7 +267,7 @@ def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
             views.append(tensor)
             sharing[ptr] = sharing.get(ptr, 0) + 1  # type: ignore[index]
     if not views:
-        return
+        return 0
     reason = None
     if _held_elsewhere(views, sharing):
         reason = "other views of them, or their storage, are held"
@@ -170,7 +276,7 @@ def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
     if reason is not None:
         logger.info("%s: %s; its weights stay mapped from the node's shared copy, and pages are "
                     "copied as they are written: %s", mapped.prefix, why, reason)
-        return
+        return None
     copied = 0
     with torch.no_grad():
         for tensor in views:
@@ -179,9 +285,10 @@ def _copy_out(model: Any, mapped: _Mapped, why: str) -> None:
             tensor.data = private
             copied += private.numel() * private.element_size()
     del views, private
-    logger.info("%s: %s: copied %d bytes of weights out of the node's shared copy into this "
-                "rank's private memory (a plain load's layout) before they are written",
-                mapped.prefix, why, copied)
+    logger.debug("%s: %s: copied %d bytes of weights out of the node's shared copy into this "
+                 "rank's private memory (a plain load's layout) before they are written",
+                 mapped.prefix, why, copied)
+    return copied
 
 
 def write_patches(mapped: MappedModels) -> list[Patch]:

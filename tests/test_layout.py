@@ -106,6 +106,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload._compat": FOUNDATION,
     "patchload._state": FOUNDATION,
     "patchload._patching": FOUNDATION,
+    "patchload._logging": FOUNDATION,
     # coordination: ranks agree on one call through the store
     "patchload.coordination": COORDINATION,
     "patchload.coordination.beats": COORDINATION,

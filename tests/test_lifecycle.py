@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,28 @@ def test_a_forked_worker_of_a_rank_is_not_a_rank(hub: LoopbackHub, tmp_path: Pat
         == ["led it (node scope)"], job.ranks[0]["tokenizer_lines"]
     assert [line.split(": ", 1)[1].split(",")[0] for line in job.ranks[1]["tokenizer_lines"]] \
         == ["followed rank 0: no request"], job.ranks[1]["tokenizer_lines"]
+
+
+def test_each_end_of_the_shared_copy_is_one_info_line_on_each_rank(hub: LoopbackHub,
+                                                                  tmp_path: Path) -> None:
+    """A rank's model stops mapping the node's shared copy: by a ``.to(other dtype)``, by a
+    copy to ``torch.device("cpu", 0)`` (the HF Trainer on CPU), by ``del model``. Each time,
+    on the leader and on the follower, one INFO line says so, with the bytes copied out (those
+    the rank mapped; none for a freed model)."""
+    env = job_env(hub.endpoint, tmp_path / "hf", tmp_path / "out", PATCHLOAD_LOG_LEVEL="INFO")
+    job = run_torchrun(hub, "lifecycle", ["ended"], nproc=2, env=env, timeout_s=240).check_ok()
+    log = "\n".join(job.outputs)
+    what = re.escape("AutoModelForCausalLM.from_pretrained('org/llama')")
+    for rank in (0, 1):
+        mapped = re.findall(rf"\[rank {rank}/2\](?:: shared \d+ tensors \((\d+) bytes\)| {what}: "
+                            r"followed rank 0: no request, (\d+) bytes of weights mapped)", log)
+        assert len(mapped) == 3, log  # the leader's share lines, the follower's call lines
+        nbytes = {int(a or b) for a, b in mapped}
+        assert len(nbytes) == 1 and nbytes != {0}, mapped
+        ended = re.findall(rf"INFO patchload \[rank {rank}/2\] {what}: the node's shared copy of "
+                           r"the weights ended on this rank \((.*)\): (\d+) bytes copied out$",
+                           log, flags=re.M)
+        assert ended == [("converted to torch.float16", str(*nbytes)),
+                         ("copied into new CPU tensors, as by Module.to(torch.device('cpu', 0)) "
+                          "in the HF Trainer", str(*nbytes)),
+                         ("the model was freed", "0")], log

@@ -294,7 +294,7 @@ def test_concurrent_loads_in_threads_equal_plain_in_bounded_time(
                 assert a["ok"], (rank, step, repo, a)
                 assert b["ok"], f"rank {rank} {step} {repo}: {b.get('error')}"
                 assert diff_fingerprints(b["fingerprint"], a["fingerprint"]) == [], \
-                    (rank, step, case)
+                    (rank, step, repo)
         slowest = {side: max(r["elapsed_s"] for r in records.values())
                    for side, records in (("plain", want), ("collective", got))}
         print(f"{step}: slowest rank {slowest['plain']:.1f} s plain, "

@@ -1,9 +1,10 @@
 """What a rank says about a coordinated call, and what an interrupt does to one.
 
-N=3, ``PATCHLOAD_LOG_LEVEL=INFO``, a download the hub throttles to a few seconds: every rank
-prints one line per top-level call saying whether it led or whom it followed (followers: no
-request), and a follower that waits past ``PATCHLOAD_PROGRESS_WARNING`` warns periodically with
-the leader's progress in its cache.
+N=3, ``PATCHLOAD_LOG_LEVEL=INFO``, a script that calls ``logging.basicConfig(level=INFO)`` after
+``import patchload``, a download the hub throttles to a few seconds: every rank prints one line
+(once, not again through the root handler) per top-level call saying whether it led or whom it
+followed (followers: no request), and a follower that waits past ``PATCHLOAD_PROGRESS_WARNING``
+warns periodically with the leader's progress in its cache.
 
 Interrupts (SIGINT; SIGTERM with a handler raising ``SystemExit(3)``) on the leader while it
 downloads, or on a follower while it waits for it: three plain ranks around a TCPStore hosted
@@ -40,7 +41,8 @@ def test_each_rank_says_what_it_did_and_a_waiting_follower_warns(
                         throttle_bytes_per_s=24_000))
     env = job_env(hub.endpoint, tmp_path / "hf", tmp_path / "out", PATCHLOAD_LOG_LEVEL="INFO",
                   PATCHLOAD_PROGRESS_WARNING="1")
-    job = run_torchrun(hub, "signals", [], nproc=3, env=env, timeout_s=240).check_ok()
+    job = run_torchrun(hub, "signals", ["--basic-config"], nproc=3, env=env,
+                       timeout_s=240).check_ok()
     log = "\n".join(job.outputs)
 
     def lines(pattern: str) -> list[str]:
@@ -49,15 +51,19 @@ def test_each_rank_says_what_it_did_and_a_waiting_follower_warns(
     download = r"hf_hub_download\('sig/slow', 'model\.safetensors'\)"
     config = r"AutoConfig\.from_pretrained\('sig/slow'\)"
     for what in (download, config):
-        assert len(lines(rf"INFO \[rank 0/3\] {what}: led it \(node scope\), in ")) == 1, log
+        # Once each, whatever the format, then in patchload's.
+        assert len(lines(rf"\[rank 0/3\] {what}: led it \(node scope\), in ")) == 1, log
+        assert len(lines(rf"INFO patchload \[rank 0/3\] {what}: led it \(node scope\), "
+                         r"in ")) == 1, log
         for rank in (1, 2):
-            assert len(lines(rf"INFO \[rank {rank}/3\] {what}: followed rank 0: no request, "
-                             rf"in ")) == 1, log
+            followed = rf"\[rank {rank}/3\] {what}: followed rank 0: no request, in "
+            assert len(lines(followed)) == 1, log
+            assert len(lines(rf"INFO patchload {followed}")) == 1, log
     # Followers of the slow download warn while they wait, with the leader's progress.
     for rank in (1, 2):
-        warnings = lines(rf"WARNING \[rank {rank}/3\] {download} \(leader rank 0\): still "
-                         r"waiting for the leader, alive and beating \(\d+ s so far; no bound on "
-                         r"the total wait\); [\d.]+ MiB of its files in the cache, [\d.]+ MiB/s")
+        warnings = lines(rf"WARNING patchload \[rank {rank}/3\] {download} \(leader rank 0\): "
+                         r"still waiting for the leader, alive and beating \(\d+ s so far; no "
+                         r"bound on the total wait\); [\d.]+ MiB of its files in the cache, [\d.]+ MiB/s")
         assert len(warnings) >= 1, log
     # Only rank 0 asked the hub for anything.
     assert {r.rank for r in job.requests} == {0}, job.requests

@@ -133,8 +133,9 @@ def test_unknown_variable_warns_once_with_the_closest_name(caplog, monkeypatch):
     assert [(r.name, r.levelno) for r in caplog.records] == [("patchload._config",
                                                              logging.WARNING)] * 2
     assert sorted(r.getMessage() for r in caplog.records) == [
-        "unknown variable PATCHLOAD_TRANPORT (did you mean PATCHLOAD_TRANSPORT?): ignored",
-        "unknown variable PATCHLOAD_XYZZY: ignored (patchload reads PATCHLOAD, "
+        "patchload [rank 0/1] unknown variable PATCHLOAD_TRANPORT (did you mean "
+        "PATCHLOAD_TRANSPORT?): ignored",
+        "patchload [rank 0/1] unknown variable PATCHLOAD_XYZZY: ignored (patchload reads PATCHLOAD, "
         "PATCHLOAD_DOWNLOAD_SCOPE, PATCHLOAD_BROADCAST, PATCHLOAD_TRANSPORT, PATCHLOAD_TIMEOUT, "
         "PATCHLOAD_HEARTBEAT, PATCHLOAD_CLAIM_GRACE, PATCHLOAD_EXIT_WAIT, "
         "PATCHLOAD_ARRIVAL_WINDOW, PATCHLOAD_GROUP_TIMEOUT, PATCHLOAD_PROGRESS_WARNING, "
@@ -146,8 +147,8 @@ def test_unknown_variable_is_reported_at_import():
                    PATCHLOAD_TRANPORT="shm")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "auto\n"
-    assert proc.stderr == ("unknown variable PATCHLOAD_TRANPORT (did you mean "
-                           "PATCHLOAD_TRANSPORT?): ignored\n")
+    assert proc.stderr == ("patchload [rank 0/1] unknown variable PATCHLOAD_TRANPORT (did you "
+                           "mean PATCHLOAD_TRANSPORT?): ignored\n")
     # Disabled: nothing is read, nothing reported.
     proc = _python("import patchload", PATCHLOAD="off", PATCHLOAD_TRANPORT="shm")
     assert (proc.returncode, proc.stderr) == (0, "")
@@ -915,3 +916,53 @@ def test_copy_out_keeps_values_and_objects_and_refuses_what_it_cannot_keep(hold)
     assert copied == ({True} if hold is None else {False}), hold
     assert not mapped  # copied or refused: not tried again
     del held
+
+
+@pytest.mark.parametrize("end", ["bfloat16", "cpu:0", "del", "optimizer", "view kept"])
+def test_the_end_of_the_shared_copy_is_one_info_line(end, caplog):
+    """Whatever makes a model stop mapping the shared copy, one INFO line says so (within the
+    watcher's 0.5 s), with the bytes copied out; a view still mapping it defers the line."""
+    import gc
+    import time
+
+    import torch
+
+    from patchload._writes import MappedModels
+
+    model, storages = _model_on_one_mapping()
+    mapped = MappedModels()
+    mapped.add(model, storages, f"[rank 0/1] load {end}")  # other tests' lines may come too
+    del storages
+    held = None
+
+    def ended() -> list[str]:
+        time.sleep(1.2)
+        return [r.getMessage() for r in caplog.records if f"load {end}: the node's shared copy"
+                in r.getMessage()]
+
+    head = f"patchload [rank 0/1] load {end}: the node's shared copy of the weights ended on this rank"
+    with caplog.at_level(logging.INFO, logger="patchload"):
+        assert ended() == []  # still mapped
+        if end == "bfloat16":
+            model.to(torch.bfloat16)
+        elif end == "cpu:0":
+            model.to(torch.device("cpu", 0))
+        elif end == "del":
+            del model
+            gc.collect()
+        elif end == "optimizer":
+            mapped.before_writes(list(model.parameters()), "given to SGD")
+        else:
+            held = model[0].bias[:2]
+            model.to(torch.bfloat16)
+            assert ended() == []
+            del held
+        cause, nbytes = {
+            "bfloat16": ("converted to torch.bfloat16", 176),
+            "cpu:0": ("copied into new CPU tensors, as by Module.to(torch.device('cpu', 0)) in "
+                      "the HF Trainer", 176),
+            "del": ("the model was freed", 0),
+            "optimizer": ("given to SGD, before they are written", 176),
+            "view kept": ("converted to torch.bfloat16", 176)}[end]
+        assert ended() == [f"{head} ({cause}): {nbytes} bytes copied out"]
+        assert ended() == [f"{head} ({cause}): {nbytes} bytes copied out"]  # once

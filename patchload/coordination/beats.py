@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Final
 
+from .._logging import get_logger
 from .identity import node_id, process_alive
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["JOIN_AT_EXIT_S", "KEEP_BEAT_KEYS", "Heartbeat", "LeaderWatch", "beat", "read_beat",
            "wait_beat"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Beat keys kept: a follower slow between reading the counter and waiting still finds its key,
 # even after a burst of beats (a model load's leader beats for each hub call it pins).

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import Any, Callable, Final, Iterator
 
 from .. import _state
 from .._errors import LeaderInterruptedError
+from .._logging import get_logger
 from .._topology import current_topology
 from . import protocol as _coordinate
 from . import rank0 as _rank0
@@ -45,7 +45,7 @@ __all__ = ["Mode", "VerificationFailed", "add_pins", "context_patches", "current
            "coordinated", "plain", "record_hub_result", "verify_so_far",
            "without_waiting"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _FINGERPRINT_MAX_FILES: Final = 10_000
 _HUB_DOWNLOADS: Final = ("hf_hub_download", "snapshot_download")

@@ -10,9 +10,9 @@ another node cannot be watched and counts as alive.
 from __future__ import annotations
 
 import json
-import logging
 import time
 
+from .._logging import get_logger
 from .._topology import Topology
 from .identity import node_id, process_alive
 from .protocol import Call
@@ -20,7 +20,7 @@ from .store import JobStore
 
 __all__ = ["gone_ranks", "pending_followers", "wait_followers_done"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:

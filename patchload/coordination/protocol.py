@@ -21,7 +21,6 @@ import collections
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import threading
 import time
@@ -35,6 +34,7 @@ from .._errors import (
     describe_exception,
     follower_exception,
 )
+from .._logging import get_logger
 from .._topology import Topology
 from . import rank0 as _rank0
 from .beats import KEEP_BEAT_KEYS, Heartbeat, LeaderWatch, beat, read_beat, wait_beat
@@ -47,7 +47,7 @@ __all__ = ["Call", "LeaderView", "Role", "announcement", "call_key", "claim", "f
            "finish", "leader_first", "leading", "node_leaders_call", "publish", "publish_pins",
            "raise_failure", "wait_outcome"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 

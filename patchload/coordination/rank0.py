@@ -48,7 +48,6 @@ import collections
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 import threading
@@ -58,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Iterator
 
 from .identity import node_id, process_alive
 from .calls import Call, Placement
+from .._logging import get_logger
 from .store import JobStore
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 __all__ = ["Placement", "await_rank0", "collective_patches", "following", "place",
            "scope_rank0"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _SHOW_AFTER_S: Final = 0.2  # a collective shorter than this is never published
 _SLICE_S: Final = 0.5  # a waiting rank reads rank 0's state this often

@@ -36,7 +36,6 @@ import atexit
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import threading
 import uuid
@@ -44,12 +43,13 @@ from pathlib import Path
 from typing import Final
 
 from .._config import Config
+from .._logging import get_logger
 from .._topology import Topology
 from .store import JobStore
 
 __all__ = ["announce_when_hub_imported", "download_scope"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _DECIDED: dict[str, str] = {}
 _SHOWN: set[str] = set()  # cache paths whose node marker this process published or found

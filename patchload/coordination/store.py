@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
-import logging
 import os
 import tempfile
 import threading
@@ -33,6 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Final, Iterator
 
+from .._logging import get_logger
 from .identity import job_id, node_id, process_alive
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["JobStore", "job_store", "private_dir"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _STORE_OP_TIMEOUT: Final = timedelta(seconds=60)
 

@@ -38,11 +38,11 @@ import functools
 import hashlib
 import inspect
 import json
-import logging
 import sys
 import threading
 from typing import Any, Callable, Final
 
+from .._logging import get_logger
 from .._patching import Patch
 from .._topology import current_topology
 from .. import _state
@@ -50,7 +50,7 @@ from ..coordination.call import VerificationFailed, coordinated, current_mode, p
 
 __all__ = ["datasets_patches"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # The record a leader publishes is JSON in the job's store: a repo listing is kilobytes, but a
 # repo of many thousand files could list megabytes. Past this, followers make the plain call.

@@ -60,9 +60,11 @@ from pathlib import Path
 from typing import Any, Final, Iterable, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from .._logging import get_logger
+
 __all__ = ["Fault", "LoopbackHub", "Request", "read_request_log"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _REPO_TYPES: Final = ("model", "dataset", "space")
 _URL_PREFIX_TO_TYPE: Final = {"datasets": "dataset", "spaces": "space"}

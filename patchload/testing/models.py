@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
-import logging
 import shutil
 from pathlib import Path
 from typing import Final, Iterator
@@ -42,6 +41,7 @@ from transformers import (
 )
 
 from .._compat import config_base, init_copy_
+from .._logging import get_logger
 
 __all__ = [
     "MINILM_REPO_ID",
@@ -60,7 +60,7 @@ __all__ = [
     "tiny_tokenizer",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MINILM_REPO_ID: Final = "sentence-transformers/all-MiniLM-L6-v2"
 """The Hub id under which :func:`minilm` folders are meant to be served."""

@@ -16,7 +16,6 @@ Linux only. Nothing here is collective.
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
 import os
 import threading
@@ -25,9 +24,11 @@ from typing import Final, Iterable, Sequence
 
 import torch
 
+from .._logging import get_logger
+
 __all__ = ["BlobArena", "aligned", "capacity_for"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 ALIGN_BYTES: Final = 64
 _FALLOC_FL_KEEP_SIZE: Final = 0x01

@@ -24,6 +24,7 @@ from typing import Any, Callable, Final, MutableMapping, Sequence
 import torch
 import torch.distributed as dist
 
+from patchload._logging import get_logger
 from patchload.transport import (
     TensorMeta,
     TransportError,
@@ -35,7 +36,7 @@ from patchload.transport.arena import aligned
 
 __all__ = ["PrivateGroup", "private_group", "broadcast"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 BACKENDS: Final = ("gloo", "nccl")
 STORE_PREFIX: Final = "patchload/pg"

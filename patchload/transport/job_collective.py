@@ -15,10 +15,10 @@ its load succeeded, so the files are in the cache; the warning names the ranks f
 from __future__ import annotations
 
 import json
-import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import _state
+from .._logging import get_logger
 from .._topology import current_topology
 from ..coordination.followers import gone_ranks
 from ..coordination.identity import process_alive
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CollectiveWeights", "share_collective", "receive_collective"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 def _members(call: Call, expected: int) -> list[int]:
     """The followers that arrived at ``call`` within the arrival window (all ``expected`` of

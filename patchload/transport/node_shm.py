@@ -14,9 +14,9 @@ are written.
 from __future__ import annotations
 
 import ctypes
-import logging
 from typing import TYPE_CHECKING, Any, Callable, Final
 
+from .._logging import get_logger
 from .._shares import OpenShares
 from .._tensors import Repoint, entries_of
 from .._writes import MappedModels
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ShmWeights"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _TRIM_EVERY_BYTES: Final = 16 * 2**20
 

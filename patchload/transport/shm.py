@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import fcntl
-import logging
 import mmap
 import os
 import stat
@@ -37,6 +36,7 @@ from typing import Any, Callable, Final, Mapping, Sequence
 import numpy
 import torch
 
+from patchload._logging import get_logger
 from patchload.coordination.identity import node_id
 from patchload.transport.arena import BlobArena, aligned
 from patchload.transport import (
@@ -50,7 +50,7 @@ from patchload.transport import (
 __all__ = ["share", "attach", "release", "map_file", "tensor_view", "empty_tensor",
            "contiguous_stride"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DESCRIPTOR_VERSION: Final = 2
 MEMFD_NAME: Final = "patchload"

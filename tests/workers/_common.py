@@ -57,15 +57,14 @@ def _record_attaches(attached: list[int], scopes: list[str]) -> None:
     by pid P" debug lines in this process, and to ``scopes`` each download scope it decided
     (a log record factory: no handler is added, so what reaches stderr is unchanged; the
     ``patchload`` logger is set to DEBUG unless the job set ``PATCHLOAD_LOG_LEVEL``)."""
-    log = logging.getLogger("patchload")
-    if log.level == logging.NOTSET:
-        log.setLevel(logging.DEBUG)
+    if not os.environ.get("PATCHLOAD_LOG_LEVEL"):
+        logging.getLogger("patchload").setLevel(logging.DEBUG)
     make = logging.getLogRecordFactory()
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = make(*args, **kwargs)
         if record.name.startswith("patchload") and (
-                str(record.msg).startswith("attached") or "download scope" in str(record.msg)):
+                "attached" in str(record.msg) or "download scope" in str(record.msg)):
             try:
                 message = record.getMessage()
             except (TypeError, ValueError):

@@ -19,6 +19,12 @@ Usage: ``lifecycle.py regroup`` or ``lifecycle.py teacher``; reports go to
   the same call, then the rank loads the tokenizer. It reports the child's config, what patchload
   logged in the child, whether the child counts as a forked worker, and the rank's own INFO line
   for the tokenizer (the child left the rank's call keys alone).
+* ``ended`` (under a launcher, ``PATCHLOAD_LOG_LEVEL=INFO``): every rank loads ``org/llama`` as
+  ``bfloat16`` (a converting load: the node's shared copy) three times, and each time ends its
+  use of the shared copy another way: ``model.to(torch.float16)``, ``model.to(torch.device("cpu",
+  0))`` (what the HF Trainer does on CPU), ``del model`` and ``gc.collect()``; after each it waits
+  1.5 s (patchload looks every 0.5 s) and keeps the model (but the last) to the end. The log
+  lines are asserted.
 """
 
 from __future__ import annotations
@@ -152,6 +158,30 @@ def _forked() -> None:
                   "tokenizer_lines": lines})
 
 
+def _ended() -> None:
+    rank = int(os.environ["RANK"])
+    os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{rank}"
+    import patchload  # noqa: F401
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kept = []
+    for end in ("float16", "cpu:0", "del"):
+        print(f"[rank {rank}] step {end}", file=sys.stderr, flush=True)
+        model = AutoModelForCausalLM.from_pretrained("org/llama", dtype=torch.bfloat16)
+        if end == "float16":
+            model.to(torch.float16)
+        elif end == "cpu:0":
+            model.to(torch.device("cpu", 0))
+        else:
+            del model
+            gc.collect()
+        time.sleep(1.5)
+        if end != "del":
+            kept.append(model)
+    _write(rank, {"steps": 3})
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if sys.argv[1] == "regroup":
@@ -162,6 +192,8 @@ def main() -> None:
         _teacher()
     elif sys.argv[1] == "forked":
         _forked()
+    elif sys.argv[1] == "ended":
+        _ended()
     else:
         raise SystemExit(f"unknown mode {sys.argv[1]!r}")
 

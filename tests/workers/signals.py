@@ -9,10 +9,13 @@ graceful-shutdown code does). Nothing is caught: the rank's exit status is the i
 and when (``t_raised``, wall clock), or the model's fingerprint. ``$OUT/loading-<rank>`` marks
 that the rank is about to load. ``PLT_OWN_CACHE=1``: each rank uses a hub cache of its own
 (``$HF_HOME/rank-<rank>``), so that plain ranks do not race for one download.
+``--basic-config``: the script calls ``logging.basicConfig(level=logging.INFO)`` after
+``import patchload``, as ``run_clm.py`` does.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -30,6 +33,8 @@ def body(report: dict) -> None:
     from huggingface_hub import hf_hub_download
     from transformers import AutoConfig
 
+    if "--basic-config" in sys.argv:
+        logging.basicConfig(level=logging.INFO)
     if "--without-rank0" in sys.argv:
         if RANK != 0:
             start = time.monotonic()
