@@ -49,7 +49,7 @@ def test_no_launcher_full_report_with_every_patch(tmp_path):
                          "world size 1: every patched call passes straight through"]
     assert not any("(from none)" in line or line.startswith("rank ") for line in lines)
     assert "weights: shared with followers (PATCHLOAD_BROADCAST)" in lines
-    assert ("waits: timeout none (no bound on the total wait), heartbeat 5 s, claim grace 5 s, "
+    assert ("waits: timeout none (no bound on the total wait), heartbeat 5 s, claim grace 120 s, "
             "exit wait 60 s, arrival window 5 s, group timeout 300 s, progress warning 60 s"
             ) in lines
     assert f"hub cache: {tmp_path / 'hub'}" in lines
@@ -67,7 +67,7 @@ def test_no_launcher_full_report_with_every_patch(tmp_path):
                  "transformers.dynamic_module_utils.get_cached_module_file"):
         assert f"  {name}" in listed, name
     # Other libraries' patches: pending until their module is imported.
-    assert lines[installed + 1 + count] == ("patches pending: 12 (each lands when its module is "
+    assert lines[installed + 1 + count] == ("patches pending: 14 (each lands when its module is "
                                             "first imported)")
     peft = "" if importlib.util.find_spec("peft") else " (peft is not installed)"
     assert ("  peft.peft_model.PeftModel.from_pretrained: pending until peft.peft_model is "

@@ -619,7 +619,8 @@ def test_squatted_private_dir_falls_back_to_a_fresh_private_one(tmp_path, squat)
     assert (out["uid"], out["mode"], out["isdir"]) == (uid, "0o700", True)
     kind, owner, mode = found
     assert proc.stderr == (
-        f"patchload's private directory {usual} is unfit ({kind} owned by uid {owner}, mode "
+        f"patchload [rank 0/1] patchload's private directory {usual} is unfit ({kind} owned by "
+        f"uid {owner}, mode "
         f"{mode}; it must be a directory owned by uid {uid} with mode 0700): not using it; this "
         f"process uses {fallback} instead, so a node-local store is not shared with the other "
         f"ranks of this node\n")
