@@ -135,7 +135,8 @@ def test_example(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path, scr
     assert not followers, f"followers made hub requests: {followers}"
 
     if script == "train_causal_lm_ddp.py":  # last: the plain run adds its own hub requests
-        copied = run.output.count("wrapped in DistributedDataParallel: copied")
+        copied = run.output.count("shared copy of the weights ended on this rank (wrapped in "
+                                  "DistributedDataParallel")
         assert copied == NPROC, f"{copied} ranks copied their weights out before DDP:\n{tail}"
         plain = _plain_torchrun(hub, tmp_path / "plain", script, repo_id)
         assert {r: v["losses"] for r, v in results.items()} == \

@@ -174,8 +174,9 @@ def _interrupt_job(hub: LoopbackHub, folder: Path, root: Path, *, target: int, k
             return "following" in logs[target].read_text(errors="replace")
 
         while not ready():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-                [p.poll() for p in procs]
+            # Rank 0 (stalled) and the target must still run; another plain rank may be done.
+            assert time.monotonic() < deadline and all(
+                procs[r].poll() is None for r in {0, target}), [p.poll() for p in procs]
             time.sleep(0.05)
         if target != 0 and patched:
             time.sleep(1.0)  # into the wait that follows the line
