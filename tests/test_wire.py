@@ -59,6 +59,8 @@ LITERAL_KEYS: Final = frozenset({"ok", "transport", "reason", "class", "dtype", 
 # A store key below the job's namespace: <where>/<function>/<digest>/<occurrence>/<rest>.
 _CALL_KEY: Final = re.compile(r"^(job|node-[0-9a-f]+)/([^/]+)/([0-9a-f]{20})/(\d+)/(.*)$")
 _BEAT: Final = re.compile(r"^(a\d+/beat)/\d+$")
+_NODE: Final = re.compile(r"node-[0-9a-f]{20}")
+_DIGEST: Final = re.compile(r"/([0-9a-f]{20})/")
 
 
 def _shape(value: Any, key: str | None = None) -> Any:
@@ -113,8 +115,12 @@ def wire_schema(job: Job) -> dict[str, Any]:
             keys = record.get("keys") or [record["key"]]
             for key in keys:
                 found = _CALL_KEY.match(key)
-                if found is None:
-                    call, rest = "other", key
+                if found is None:  # rank 0's sequence keys name a node and a call's digest
+                    call = "other"
+                    rest = _NODE.sub("node-<id>", key)
+                    for digest in _DIGEST.findall(rest):
+                        digests.setdefault(digest, f"<digest {len(digests) + 1}>")
+                        rest = rest.replace(f"/{digest}/", f"/{digests[digest]}/")
                 else:
                     where, function, digest, count, rest = found.groups()
                     digests.setdefault(digest, f"<digest {len(digests) + 1}>")
