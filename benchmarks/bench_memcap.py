@@ -31,9 +31,7 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -119,31 +117,16 @@ def run_capped(label: str, script: Path, args: list[str], *, nproc: int, env: di
                cap_bytes: int, timeout_s: float, release: Any = None) -> dict[str, Any]:
     """One torchrun job inside a fresh capped cgroup: finished?, OOM-killed ranks, peak, time."""
     cgroup = MemoryCgroup(cap_bytes)
-    procs_file = cgroup.path / "cgroup.procs"
-    cmd = ["sh", "-c", f'echo $$ > "{procs_file}" && exec "$@"', "sh", sys.executable, "-m",
-           "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-           *args]
-    start = time.time()
-    proc = subprocess.Popen(cmd, env=env, cwd=measure.REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
-    pump = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
-    pump.start()
+    wrapper = ["sh", "-c", f'echo $$ > "{cgroup.path / "cgroup.procs"}" && exec "$@"', "sh"]
     try:
-        if release is not None:
-            release(proc, start + timeout_s)
-        rc = proc.wait(timeout=max(0.1, start + timeout_s - time.time()))
-    except subprocess.TimeoutExpired:
-        rc = None
+        run = measure.torchrun(label, script, args, nproc=nproc, env=env,
+                               measure_dir=Path(env.get("PATCHLOAD_MEASURE_DIR", ".")),
+                               timeout_s=timeout_s, during=release, wrapper=wrapper)
     finally:
-        elapsed = time.time() - start
-        peak = cgroup.peak_bytes()
+        peak = cgroup.peak_bytes()  # the high-water mark outlives the processes
         cgroup.remove()
-        proc.wait()
-        pump.join(timeout=5)
-    output = "".join(lines)
-    run = measure.Run(label, nproc, rc if rc is not None else -9, output, start, time.time(),
-                      Path("."), baseline_bytes=0)
+    rc = None if run.output.rstrip().endswith("timeout") else run.returncode
+    output, elapsed = run.output, run.wall_s
     results = measure.results(run)
     killed = sorted({int(r) for r, code in _EXIT_RE.findall(output) if code == "-9"})
     return {"label": label, "finished": rc == 0 and sorted(results) == list(range(nproc)),

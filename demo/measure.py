@@ -169,10 +169,13 @@ def run_env(*, endpoint: str, hf_home: Path, measure_dir: Path, patchload_on: bo
 def torchrun(label: str, script: Path, args: Sequence[str], *, nproc: int, env: dict[str, str],
              measure_dir: Path, timeout_s: float, sampler: MemorySampler | None = None,
              echo: bool = False,
-             during: Callable[[subprocess.Popen, float], None] | None = None) -> Run:
+             during: Callable[[subprocess.Popen, float], None] | None = None,
+             wrapper: Sequence[str] = ()) -> Run:
     """Run ``torchrun --standalone --nproc_per_node nproc script args`` under a hard timeout.
 
     Args:
+        wrapper: words put before the command (e.g. a shell that moves itself into a cgroup,
+            then execs the rest).
         during: called in this thread right after the launch with the process and the deadline
             (``time.time()`` seconds); it must return by then (e.g. to release the ranks from a
             file barrier after taking a memory baseline).
@@ -181,7 +184,7 @@ def torchrun(label: str, script: Path, args: Sequence[str], *, nproc: int, env: 
     return code -9 and its output so far.
     """
     measure_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [*wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", str(script), *args]
     baseline = node_memory_used()
     launched = time.time()
