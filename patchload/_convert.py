@@ -28,8 +28,6 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-import torch
-
 from ._patching import Patch
 from .coordination.call import current_mode
 
@@ -71,6 +69,8 @@ def _torch_state() -> tuple[Any, ...]:
     # mode, the dispatch keys it includes and excludes (inference mode, autocast, functorch,
     # no_dispatch, a Python dispatch mode), the torch function and dispatch mode stacks (a
     # default device, a user's mode).
+    import torch  # here, not at module level: `import patchload` must not import torch
+
     C = torch._C
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
             str(C._dispatch_tls_local_include_set()), str(C._dispatch_tls_local_exclude_set()),

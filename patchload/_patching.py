@@ -101,6 +101,33 @@ def _rebind(original: Any, replacement: Any) -> None:
                 logger.debug("rebound %s.%s", name, attribute)
 
 
+def _rebind_landed(patch: Patch, module: Any) -> None:
+    """Rebind the aliases of ``patch``'s original made since it landed in ``module`` (see
+    :func:`_rebind`), and adopt the copies of its replacement."""
+    for path in patch.expand(module) if patch.expand is not None else [patch.path]:
+        try:
+            _, _, current = wrapt.resolve_path(module, path)
+        except (AttributeError, wrapt.PathResolutionError):
+            continue
+        if _is_ours(current):
+            _rebind(current.__wrapped__, current)
+            _adopt_copies(current.__wrapped__, current)
+
+
+def _adopt_copies(original: Any, replacement: Any) -> None:
+    """Record the module attributes that copied ``replacement`` by name after it landed, so
+    that :func:`uninstall_patches` puts ``original`` back there too."""
+    known = {(id(landed.parent), landed.attribute) for landed in _LANDED}
+    for name, mod in list(sys.modules.items()):
+        namespace = getattr(mod, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attribute, value in list(namespace.items()):
+            if value is replacement and (id(mod), attribute) not in known:
+                _LANDED.append(_Landed(mod, attribute, original, replacement, owned=True))
+                logger.debug("rebound %s.%s", name, attribute)
+
+
 def install_patches(patches: list[Patch]) -> None:
     """Land every patch now or when its module is imported. Idempotent.
 
@@ -123,6 +150,17 @@ def install_patches(patches: list[Patch]) -> None:
                 hook(sys.modules[patch.module])
             else:
                 wrapt.register_post_import_hook(hook, patch.module)
+            top = patch.module.partition(".")[0]
+            if patch.rebind_aliases and top != patch.module and top not in sys.modules:
+                # A submodule patched while its package imports it is copied by name into the
+                # package afterwards (``torch.distributed`` star-imports ``distributed_c10d``):
+                # rebind once the whole package is imported, so uninstall restores those too.
+                def rebind(_: Any, patch: Patch = patch) -> None:
+                    with _LOCK:
+                        if generation == _GENERATION and patch.module in sys.modules:
+                            _rebind_landed(patch, sys.modules[patch.module])
+
+                wrapt.register_post_import_hook(rebind, top)
 
 
 def uninstall_patches() -> None:

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Final, Mapping
 
-__all__ = ["Topology", "current_topology"]
+__all__ = ["Topology", "current_topology", "process_group_initialized"]
 
 # (launcher, rank, world size, local rank, local world size, node index): the variables to read
 # for each, the first one set wins.
@@ -113,10 +113,20 @@ def _from_env(env: Mapping[str, str]) -> Topology | None:
     return partial
 
 
+def process_group_initialized() -> bool:
+    """Whether torch's default process group is initialized. Never imports torch just to look,
+    and is False while ``torch.distributed`` itself is still being imported (patches land, and
+    log, during ``import torch``)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not hasattr(dist, "is_initialized") or not dist.is_available():
+        return False
+    return bool(dist.is_initialized())
+
+
 def _from_process_group(env: Mapping[str, str]) -> Topology | None:
-    dist = sys.modules.get("torch.distributed")  # never import torch just to look
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if not process_group_initialized():
         return None
+    dist = sys.modules["torch.distributed"]
     rank, world = dist.get_rank(), dist.get_world_size()
     launched = _from_env(env)
     if launched is not None and (launched.rank, launched.world_size) == (rank, world):

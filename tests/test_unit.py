@@ -540,6 +540,33 @@ print(json.dumps(out))
                    "changed": True, "restored": True, "after_count": 0}
 
 
+def test_names_a_package_copies_while_importing_are_patched_and_restored():
+    # `import patchload` imports no torch: torch.distributed's patches land while `import torch`
+    # runs, and torch.distributed copies them by name (`from .distributed_c10d import *`); so
+    # does datasets' `from .load import load_dataset`. A user calls those names.
+    code = """
+import json, sys
+import patchload
+assert "torch" not in sys.modules
+import torch.distributed as dist, torch.distributed.distributed_c10d as c10d, datasets, datasets.load
+names = lambda: {"barrier": dist.barrier, "broadcast": dist.broadcast,
+                 "load_dataset": datasets.load_dataset}
+originals = {"barrier": c10d.barrier.__wrapped__, "broadcast": c10d.broadcast.__wrapped__,
+             "load_dataset": datasets.load.load_dataset.__wrapped__}
+out = {"patched": all(names()[k] is not v and names()[k].__wrapped__ is v
+                      for k, v in originals.items())}
+patchload.unpatch()
+out["restored"] = all(names()[k] is v for k, v in originals.items())
+out["c10d_restored"] = c10d.barrier is originals["barrier"]
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PATCHLOAD": "1"})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"patched": True, "restored": True, "c10d_restored": True}
+
+
 def test_errors_pickle_with_their_attributes():
     from patchload import PatchloadTimeout
 

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Iterator
 from .identity import node_id, process_alive
 from .calls import Call, Placement
 from .._logging import get_logger
+from .._topology import process_group_initialized
 from .store import JobStore
 
 if TYPE_CHECKING:
@@ -177,7 +178,7 @@ class _State:
         if not _is_some_rank0(topology) or not topology.distributed:
             return []
         opened = _opened_stores()
-        if not opened and not exited and _pg_initialized():
+        if not opened and not exited and process_group_initialized():
             from .store import job_store
 
             opened = [job_store()]
@@ -239,11 +240,6 @@ def _opened_stores() -> list[JobStore]:
                 + list(store._PG_CACHE.values()))
 
 
-def _pg_initialized() -> bool:
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 @contextlib.contextmanager
