@@ -23,7 +23,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Final, Mapping
+from typing import Any, Final, Mapping
 
 from ._errors import ConfigError
 from ._logging import get_logger
@@ -35,6 +35,15 @@ logger = get_logger(__name__)
 
 _SCOPES: Final = ("auto", "node", "job")
 _TRANSPORTS: Final = ("auto", "shm", "collective")
+# Where other packages register weight transports (patchload.transport.registry).
+TRANSPORT_ENTRY_POINTS: Final = "patchload.transports"
+
+
+def transport_entry_points() -> list[Any]:
+    """The installed packages' entry points in :data:`TRANSPORT_ENTRY_POINTS`."""
+    from importlib.metadata import entry_points
+
+    return list(entry_points(group=TRANSPORT_ENTRY_POINTS))
 _SWITCH: Final = {"1": True, "true": True, "yes": True, "on": True,
                   "0": False, "false": False, "no": False, "off": False}
 _NO_BOUND: Final = ("none", "inf", "infinity")
@@ -76,7 +85,9 @@ class Config:
     """``PATCHLOAD_TRANSPORT``: ``shm`` (each node's leader reads its files and shares them in
     node shared memory), ``collective`` (one job leader broadcasts to every rank over a private
     process group) or ``auto`` (shm inside a node; across nodes on one shared hub cache, the job
-    leader broadcasts to the other nodes' leaders, else each node leader reads its own disk)."""
+    leader broadcasts to the other nodes' leaders, else each node leader reads its own disk), or
+    the name of a transport an installed package registers (entry point group
+    ``patchload.transports``)."""
     timeout_s: float | None = None
     """``PATCHLOAD_TIMEOUT``: the most a follower waits in total for its leader's outcome, in
     seconds. None (``none``, the default): no bound on the total wait; a follower still fails
@@ -146,6 +157,16 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default
     if value not in choices:
         raise _invalid(env, name, raw, " / ".join(choices))
     return value
+
+
+def _transport(env: Mapping[str, str]) -> str:
+    """A built-in transport's name, or one an installed package registers (read only then:
+    listing entry points costs milliseconds at import)."""
+    raw = _raw(env, "PATCHLOAD_TRANSPORT")
+    if raw is None or raw.strip().lower() in _TRANSPORTS:
+        return _choice(env, "PATCHLOAD_TRANSPORT", _TRANSPORTS, "auto")
+    names = (*_TRANSPORTS, *sorted(ep.name for ep in transport_entry_points()))
+    return _choice(env, "PATCHLOAD_TRANSPORT", names, "auto")
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float, *, zero: bool = False) -> float:
@@ -256,7 +277,7 @@ def _read(env: Mapping[str, str] | None = None) -> Config:
         enabled=_switch(env, "PATCHLOAD", True),
         download_scope=_choice(env, "PATCHLOAD_DOWNLOAD_SCOPE", _SCOPES, "auto"),
         broadcast=_switch(env, "PATCHLOAD_BROADCAST", True),
-        transport=_choice(env, "PATCHLOAD_TRANSPORT", _TRANSPORTS, "auto"),
+        transport=_transport(env),
         timeout_s=_bound(env, "PATCHLOAD_TIMEOUT", None),
         heartbeat_s=_seconds(env, "PATCHLOAD_HEARTBEAT", 5.0),
         claim_grace_s=_seconds(env, "PATCHLOAD_CLAIM_GRACE", 120.0, zero=True),

@@ -32,6 +32,7 @@ from ._alongside import describe, mapped_state_dict, maps_as_plain
 from ._compat import (describe_loading_info, dtype_plan, initialized_by_follower,
                       loaded_from_leader, warm_conversions)
 from ._convert import state_of_a_new_thread
+from ._errors import ConfigError
 from ._logging import get_logger
 from ._patching import Patch
 from ._tensors import Owners, entries_of, named_tensors
@@ -39,8 +40,7 @@ from ._writes import write_patches
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
-from .transport.job_collective import CollectiveWeights
-from .transport.node_shm import ShmWeights
+from .transport.registry import transports
 
 if TYPE_CHECKING:
     import torch
@@ -60,10 +60,6 @@ _UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size
 _COLLECTIVE_KWARGS: Final = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
 _CPU_MAPS: Final = (None, "cpu", {"": "cpu"})
 
-# The transports, by the name a leader publishes with its weights; each holds its own state
-# (the shm one: this process's open blobs and the models that map one).
-_SHM: Final = ShmWeights()
-_TRANSPORTS: Final[dict[str, Any]] = {t.name: t for t in (_SHM, CollectiveWeights())}
 # True inside a from_pretrained that runs on every rank at once (collective construction).
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("patchload_alone", default=False)
 
@@ -156,10 +152,34 @@ def _share(result: Any, call: Call, mode: Mode
     return {"weights": info}, after
 
 
+def _chosen() -> Any:
+    """The transport ``PATCHLOAD_TRANSPORT`` names (None: ``auto``).
+
+    Raises:
+        ConfigError: no transport is registered under that name (a package removed since the
+            variable was read).
+    """
+    name = _state.config().transport
+    if name == "auto":
+        return None
+    transport = transports().get(name)
+    if transport is None:
+        from ._topology import current_topology
+
+        raise ConfigError("PATCHLOAD_TRANSPORT", name,
+                          " / ".join(("auto", *transports().names())),
+                          rank=current_topology().rank)
+    return transport
+
+
 def _transport_of(call: Call) -> Any:
-    """The transport of a load call: a job-scope load is a broadcast (to every rank, or to the
-    other nodes' leaders); a node-scope one shares memory."""
-    return _TRANSPORTS["collective" if call.scope == "job" else "shm"]
+    """The transport of a load call: the one ``PATCHLOAD_TRANSPORT`` names where its scope is
+    the call's; else a job-scope load is a broadcast (to every rank, or to the other nodes'
+    leaders) and a node-scope one shares memory."""
+    chosen = _chosen()
+    if chosen is not None and chosen.scope == call.scope:
+        return chosen
+    return transports().get("collective" if call.scope == "job" else "shm")
 
 
 def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
@@ -236,7 +256,10 @@ def receive(mode: Mode, model: Any, plan: Any = None) -> bool:
         return False
     from .transport import meta_of
 
-    transport = _TRANSPORTS[weights["transport"]]
+    transport = transports().get(weights["transport"])
+    if transport is None:
+        raise VerificationFailed(f"the leader shared its weights through the transport "
+                                 f"{weights['transport']!r}, which this rank does not have")
     entries = weights["entries"]
     tensors = None
     if transport.collective:  # a member joins before anything else: the others wait for it
@@ -284,8 +307,9 @@ def _abandon(mode: Mode) -> None:
     """Follower giving up on the leader's result: its transport may still need it (a broadcast
     member: the leader and the other members wait for every member)."""
     weights = (mode.payload.get("weights") or {}) if mode.leader is not None else {}
-    if weights.get("transport") in _TRANSPORTS:
-        _TRANSPORTS[weights["transport"]].abandon(mode.call, weights, mode.used)
+    transport = transports().get(weights["transport"]) if weights.get("transport") else None
+    if transport is not None:
+        transport.abandon(mode.call, weights, mode.used)
 
 
 def _settle(result: Any, mode: Mode) -> Any:
@@ -313,7 +337,7 @@ def _settle(result: Any, mode: Mode) -> Any:
                 tensor._is_hf_initialized = marked[str(index)]
             elif hasattr(tensor, "_is_hf_initialized"):
                 del tensor._is_hf_initialized
-        _TRANSPORTS[weights["transport"]].settle(mode.call, model, weights, tensors)
+        transports().get(weights["transport"]).settle(mode.call, model, weights, tensors)
         # The model holds them now; no other reference may pin a mapping (see _writes).
         mode.used["received"] = None
     return result
@@ -407,7 +431,8 @@ def from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
             finally:
                 _ALONE.reset(token)
         return coordinated(name, wrapped, args, kwargs, what=what)
-    if _state.config().transport == "collective":
+    chosen = _chosen()
+    if chosen is not None and chosen.scope == "job":
         return coordinated(name, wrapped, args, kwargs, what=what, scope="job", share=_share,
                            settle=_settle, abandon=_abandon, idle=warm_conversions)
     return coordinated(name, wrapped, args, kwargs, what=what, scope="node", share=_share,
@@ -618,7 +643,7 @@ def _auto_classes(module: Any) -> list[str]:
 def load_patches() -> list[Patch]:
     """The patches for model loading: ``from_pretrained`` and the checkpoint-reading step, and
     the calls announcing that loaded weights will be written."""
-    return write_patches(_SHM.mapped) + [
+    return write_patches(transports().get("shm").mapped) + [
         Patch("transformers.modeling_utils", "PreTrainedModel.from_pretrained", from_pretrained),
         Patch("transformers.models.auto.modeling_auto", "", from_pretrained,
               expand=_auto_classes),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -522,6 +523,12 @@ SAVED = Scenario(
         {"name": "sentence-transformer", "op": "sentence_transformer", "repo": "ld/sentence"},
     ), Requests.ONE_PER_CACHE, setup=_saved_setup)
 
+# tests/plugins holds a transport registered as a package does (tests/plugins/
+# patchload_copy_transport.py): a new transport is one package plus one registry line.
+_WITH_PLUGINS = os.pathsep.join(p for p in (str(Path(__file__).parent / "plugins"),
+                                            str(Path(__file__).parent.parent),
+                                            os.environ.get("PYTHONPATH")) if p)
+
 GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("rank0-late", (LATE_RANK0, RANK1_ALONE), process_group=True),
@@ -532,7 +539,10 @@ GROUPS = (
     Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
                            RANK_STATE, MISSING_REPO, TRAIN, ARCHITECTURES, INIT_ERROR,
                            BIN_ONLY),
-          variants={"shm": {}, "collective": {"PATCHLOAD_TRANSPORT": "collective"}}),
+          variants={"shm": {}, "collective": {"PATCHLOAD_TRANSPORT": "collective"},
+                    # A transport of the tests' own, found as an installed package's entry point.
+                    "copy": {"PATCHLOAD_TRANSPORT": "copy", "PYTHONPATH": _WITH_PLUGINS,
+                             "PATCHLOAD_LOG_LEVEL": "INFO"}}),
 )
 SCENARIOS = {s.name: (g, s) for g in GROUPS for s in g.scenarios}
 CASES = [pytest.param(g.name, v, s.name, id=f"{s.name}-{v}")
@@ -740,3 +750,17 @@ def test_per_rank_tokens_wait_for_nobody_and_rank0_warns_once(harness: Harness) 
     warnings = [line for line in log.splitlines() if "use other hub credentials" in line]
     assert len(warnings) == 1 and "[rank 0/3]" in warnings[0] \
         and "ranks [1, 2]" in warnings[0], warnings
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_registered_transport_carries_the_followers_weights(harness: Harness) -> None:
+    """The ``copy`` variant's followers got their weights through the tests' own transport (a
+    package registering one entry point), not by a plain load that would pass the comparison
+    too: its INFO line says so on every follower of the happy path's model loads."""
+    patched = harness.side("shared-cache", "copy")
+    log = "\n".join(patched.outputs)
+    copied = {line.split("]", 1)[0] for line in log.splitlines()
+              if "followed rank 0: no request" in line and "bytes of weights copied" in line}
+    assert copied == {"INFO patchload [rank 1/3", "INFO patchload [rank 2/3"}, copied
+    # (A zero-copy load's followers map the checkpoint files themselves, whatever the transport.)
+    assert "bytes of weights received" not in log and "bytes of weights mapped," not in log

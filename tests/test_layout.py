@@ -126,6 +126,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.transport.collective": TRANSPORT,
     "patchload.transport.job_collective": TRANSPORT,
     "patchload.transport.node_shm": TRANSPORT,
+    "patchload.transport.registry": TRANSPORT,
     "patchload.transport.shm": TRANSPORT,
     # weights and patches (the root modules that become weights/, transport/shm/shares,
     # transport/mapped_files and patches/)

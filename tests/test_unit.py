@@ -96,6 +96,52 @@ def test_bad_config_fails_the_import():
     assert "PATCHLOAD_TRANSPORT='carrier-pigeon' is not valid" in proc.stderr
 
 
+_PLUGINS = Path(__file__).parent / "plugins"
+
+
+def _with_plugin_path(tmp_path: Path, entry_points: str) -> dict[str, str]:
+    """An environment where one more installed package registers ``entry_points``."""
+    info = tmp_path / "plt_broken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plt-broken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    (tmp_path / "plt_broken.py").write_text("class NotATransport:\n    name = 'broken'\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), str(_PLUGINS), str(Path(__file__).parent.parent)])}
+
+
+def test_a_transport_an_installed_package_registers_is_found_by_name(tmp_path):
+    code = """
+import json, patchload
+from patchload.transport.registry import transports
+t = transports().get(patchload._state.config().transport)
+print(json.dumps({"names": transports().names(), "class": type(t).__name__, "scope": t.scope}))
+"""
+    env = {**_with_plugin_path(tmp_path, "[patchload.transports]\nbroken = plt_broken:NotATransport\n"),
+           "PATCHLOAD_TRANSPORT": "copy"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {
+        "names": ["shm", "collective", "broken", "copy"], "class": "CopyWeights", "scope": "node"}
+
+
+def test_a_registered_object_that_is_not_a_transport_is_refused(tmp_path):
+    code = """
+from patchload.transport.registry import transports
+try:
+    transports().get("broken")
+except TypeError as err:
+    print(err)
+"""
+    env = _with_plugin_path(tmp_path, "[patchload.transports]\nbroken = plt_broken:NotATransport\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "the transport registered as 'broken' (entry point group 'patchload.transports') is " \
+        "not a WeightTransport: missing ['verb', 'collective', 'scope'," in proc.stdout
+
+
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PATCHLOAD")}
     return subprocess.run([sys.executable, "-c", code], env={**clean, **env},

@@ -10,8 +10,8 @@ state:
   over a private gloo group to the ranks that arrived (bytes:
   :mod:`patchload.transport.collective`).
 
-A new transport (CUDA IPC, say) is one more module implementing :class:`WeightTransport`,
-registered in :mod:`patchload._load`.
+A new transport (CUDA IPC, say) is one package implementing :class:`WeightTransport` plus one
+registry line (:mod:`patchload.transport.registry`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,15 @@ class WeightTransport(Protocol):
         collective: True when :meth:`receive` is collective over the members the leader chose:
             a member must call it (or :meth:`abandon`) even when it will not use the tensors,
             and before anything that may make it give up (verification).
+        scope: ``"node"``: it moves bytes among the ranks of one node (its leader reads, or gets
+            the weights from another node's leader by broadcast); ``"job"``: one leader for the
+            whole job, every rank a receiver.
     """
 
     name: str
     verb: str
     collective: bool
+    scope: str
 
     def prepare(self, call: Call, model: torch.nn.Module, used: dict[str, Any]) -> None:
         """Leader, before it reads the checkpoint into ``model`` (its skeleton, parameters on

@@ -154,6 +154,7 @@ class CollectiveWeights:
     broadcasts to the ranks that arrived within the arrival window; the others load plainly."""
 
     name = "collective"
+    scope = "job"
     verb = "received"
     collective = True
 

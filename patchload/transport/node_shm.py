@@ -39,6 +39,7 @@ class ShmWeights:
     docstring). Holds this process's open blobs and mapped models."""
 
     name = "shm"
+    scope = "node"
     verb = "mapped"
     collective = False
 

@@ -1,0 +1,94 @@
+"""The weight transports by name: the built-in ones and those other packages register.
+
+``PATCHLOAD_TRANSPORT`` names one (``auto``: shm inside a node, a broadcast among node leaders
+across nodes on one shared cache). A leader publishes its transport's name with the weights, and
+a follower looks it up here: one that does not know the name loads plainly.
+
+A new transport is one package implementing :class:`~patchload.transport.base.WeightTransport`
+plus one registry line: an entry point in the group ``patchload.transports`` of the package's
+metadata (``copy = "my_package:CopyWeights"``), or a line in :data:`_BUILTIN` for one of
+patchload's own. Each transport is made once per process, on first use (it holds its own state:
+open blobs, mapped models).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import TYPE_CHECKING, Final
+
+from .._config import TRANSPORT_ENTRY_POINTS, transport_entry_points
+
+if TYPE_CHECKING:
+    from .base import WeightTransport
+
+__all__ = ["TransportRegistry", "transports"]
+
+_BUILTIN: Final = {
+    "shm": "patchload.transport.node_shm:ShmWeights",
+    "collective": "patchload.transport.job_collective:CollectiveWeights",
+}
+_SCOPES: Final = ("node", "job")
+
+
+class TransportRegistry:
+    """Name -> transport object, made on first use and kept for the process.
+
+    Not collective; no I/O but importing a transport's module (and reading the installed
+    packages' entry points once, for a name that is not built in).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._made: dict[str, WeightTransport] = {}
+        self._plugins: dict[str, str] | None = None
+
+    def names(self) -> tuple[str, ...]:
+        """Every name a transport can be had by: the built-in ones first."""
+        return (*_BUILTIN, *sorted(set(self._plugin_targets()) - set(_BUILTIN)))
+
+    def get(self, name: str) -> WeightTransport | None:
+        """The transport called ``name``, or None when none is registered under it.
+
+        Raises:
+            ImportError, AttributeError: its module or class cannot be imported (a broken
+                package: never silently another transport).
+            TypeError: the object lacks the :class:`WeightTransport` attributes or has an
+                unknown ``scope``.
+        """
+        with self._lock:
+            if name in self._made:
+                return self._made[name]
+            target = _BUILTIN.get(name) or self._plugin_targets().get(name)
+            if target is None:
+                return None
+            module, _, attribute = target.partition(":")
+            transport = getattr(importlib.import_module(module), attribute)()
+            _check(name, transport)
+            self._made[name] = transport
+            return transport
+
+    def _plugin_targets(self) -> dict[str, str]:
+        if self._plugins is None:
+            self._plugins = {ep.name: ep.value for ep in transport_entry_points()}
+        return self._plugins
+
+
+def _check(name: str, transport: object) -> None:
+    missing = [attr for attr in ("name", "verb", "collective", "scope", "prepare", "discard",
+                                 "share", "receive", "abandon", "settle")
+               if not hasattr(transport, attr)]
+    if missing or getattr(transport, "name", None) != name \
+            or getattr(transport, "scope", None) not in _SCOPES:
+        raise TypeError(f"the transport registered as {name!r} (entry point group "
+                        f"{TRANSPORT_ENTRY_POINTS!r}) is not a WeightTransport: missing "
+                        f"{missing}, name {getattr(transport, 'name', None)!r}, scope "
+                        f"{getattr(transport, 'scope', None)!r} (one of {_SCOPES})")
+
+
+_REGISTRY: Final = TransportRegistry()
+
+
+def transports() -> TransportRegistry:
+    """This process's transport registry."""
+    return _REGISTRY
