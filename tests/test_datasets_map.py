@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from _launch import Job, check_same_error_everywhere, job_env, run_torchrun
+from _launch import (Job, check_same_error_everywhere, free_port, job_env, run_torchrun,
+                     start_ranks, wait_ranks)
 from patchload.testing import LoopbackHub
 
 pytest.importorskip("datasets", reason="datasets is not installed (the `test` extra has it)")
@@ -164,3 +165,62 @@ def test_patchload_off_leaves_map_alone(jobs: dict[str, Job]) -> None:
         assert not report["installed"] and not report["map_patched"], rank
     for rank, report in jobs["cold"].ranks.items():
         assert report["installed"] and report["map_patched"], rank
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+def test_leader_killed_during_map(map_hub: LoopbackHub,
+                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 0 SIGKILLed inside its map's function: the other ranks end with the plain result
+    (they compute, as plain ranks do) within 10 s of the kill."""
+    import time
+
+    import torch.distributed as dist
+
+    root = tmp_path_factory.mktemp("ds-map-kill")
+    results = {}
+    for mode, extra in (("plain", {"PATCHLOAD": "0"}), ("patched", {})):
+        out = root / mode
+        env = job_env(map_hub.endpoint, root / f"home-{mode}", out, **extra)
+        port = free_port()
+        store = dist.TCPStore("127.0.0.1", port, world_size=-1, is_master=True,
+                              wait_for_workers=False)
+        try:
+            t0 = time.time()
+            procs, logs = start_ranks("datasets_map", ["--steps", "leader_killed"],
+                                      world_size=NPROC, store_port=port, env=env)
+            job = wait_ranks(map_hub, procs, logs, t0, JOB_TIMEOUT_S)
+        finally:
+            del store
+        assert job.returncodes[0] == -9 and job.returncodes[1:] == [0] * (NPROC - 1), \
+            "\n".join(job.outputs)
+        results[mode] = (job, float((out / "killed-at").read_text()))
+    (plain, _), (patched, killed_at) = results["plain"], results["patched"]
+    for rank in range(1, NPROC):
+        want, got = _record(plain, rank, "leader_killed"), _record(patched, rank, "leader_killed")
+        assert want.get("ok") and got.get("ok"), (rank, got.get("error"))
+        assert got["value"] == want["value"], rank
+        assert got["calls"] == 40, rank
+        assert got["t1"] - killed_at < 10.0, (rank, got["t1"] - killed_at)
+        warnings = [line for line in got["lines"] if "making the map plainly here" in line]
+        assert len(warnings) == 1 and "is gone" in warnings[0], got["lines"]
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+def test_per_rank_datasets_caches_map_each_their_own(
+        map_hub: LoopbackHub, jobs: dict[str, Job],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each rank with its own ``HF_DATASETS_CACHE``: the cache files differ, so do the keys;
+    every rank computes into its own cache, as plain, without waiting for rank 0."""
+    root = tmp_path_factory.mktemp("ds-map-own")
+    job = _run(map_hub, root / "home", root / "out", ("tokenize",),
+               PLT_PER_RANK_DATASETS_CACHE="1")
+    for rank in range(NPROC):
+        record = _record(job, rank, "tokenize")
+        assert record.get("ok"), record.get("error")
+        got = record["value"]["dataset"]
+        want = _record(jobs["plain"], rank, "tokenize")["value"]["dataset"]
+        assert got["content"] == want["content"] and got["features"] == want["features"]
+        assert got["files"][0].startswith(f"<home>/datasets-rank-{rank}/"), got["files"]
+        assert record["calls"] == 40, rank
+        assert not any("followed" in line for line in record["lines"]), record["lines"]
+        assert record["elapsed_s"] < 30, record["elapsed_s"]

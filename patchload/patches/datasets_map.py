@@ -23,8 +23,10 @@ place). patchload takes ``datasets``' own answers:
    ``datasets`` keeps the dataset and writes no file) the follower computes, as plain.
 4. The leader's exception (the function raised) reaches every follower that waited for it as
    the same class; a rank that arrives after it failed makes its own call (the same error). A
-   leader that dies or is interrupted is noticed as for models; its followers then make the
-   plain call.
+   leader that dies, goes silent or is interrupted is noticed as for models (its pid, its
+   heartbeat), and so is ``PATCHLOAD_TIMEOUT``; its followers then make the plain call, with a
+   WARNING (unlike a model load's, which raise ``LeaderFailedError``: a map's result is this
+   rank's own to compute).
 
 Every other ``map`` runs as plain on every rank: a random fingerprint (``datasets`` could not
 hash the function or an argument, and drew one: it differs per rank), no cache file named by
@@ -45,6 +47,7 @@ import threading
 from typing import Any, Callable, Final
 
 from .. import _state
+from .._errors import LeaderFailedError, PatchloadTimeout
 from .._logging import get_logger
 from .._patching import Patch
 from .._topology import current_topology
@@ -209,11 +212,20 @@ def _coordinated_map(wrapped: Callable[..., Any], args: tuple[Any, ...],
         with plain():  # a follower: datasets finds the leader's file
             return _plain_map(wrapped, args, kwargs)
 
-    result = coordinated(
-        "datasets.arrow_dataset.Dataset.map", follow, (),
-        {"fingerprint": probe.fingerprint,
-         "cache_file": os.path.join(cache_identity(os.path.dirname(cache_file)), name)},
-        what=f"Dataset.map(-> {name})", scope="node", lead_with=lead, offline_kwarg=False)
+    try:
+        result = coordinated(
+            "datasets.arrow_dataset.Dataset.map", follow, (),
+            {"fingerprint": probe.fingerprint,
+             "cache_file": os.path.join(cache_identity(os.path.dirname(cache_file)), name)},
+            what=f"Dataset.map(-> {name})", scope="node", lead_with=lead, offline_kwarg=False)
+    except (LeaderFailedError, PatchloadTimeout) as err:
+        if type(err) not in (LeaderFailedError, PatchloadTimeout):
+            raise  # the leader's own exception, rebuilt: what this rank's plain map raises
+        # The leader died, went silent or took too long: nothing of this map is the leader's
+        # to give; this rank's plain map computes (or finds a file the leader did finish).
+        logger.warning("%s: making the map plainly here", err)
+        with plain():
+            return _plain_map(wrapped, args, kwargs)
     if followed:
         topology = current_topology()
         how = (f"loaded its cache file {name} (or its shards), the function not run here"

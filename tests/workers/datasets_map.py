@@ -1,6 +1,7 @@
 """Rank worker: ``Dataset.map`` / ``filter`` calls (see tests/test_datasets_map.py).
 
-Usage: ``datasets_map.py --steps name,name,...``. Every rank loads ``org/ds-map`` (a parquet
+Usage: ``datasets_map.py --steps name,name,...`` (``PLT_PER_RANK_DATASETS_CACHE=1``:
+``HF_DATASETS_CACHE=$HF_HOME/datasets-rank-<RANK>``, one hub cache). Every rank loads ``org/ds-map`` (a parquet
 repo of the loopback hub) once, then runs each step of :data:`STEPS` between test barriers. The
 report holds, per step, what the step returned (each split's fingerprint, rows, features,
 content hash and cache files with ``HF_HOME`` replaced by ``<home>``) or the exception, how many
@@ -20,6 +21,7 @@ import contextlib  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import signal  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -64,6 +66,17 @@ def inspect_only(example: dict[str, Any]) -> None:
     _count(1)
 
 
+def kill_rank0(example: dict[str, Any]) -> dict[str, Any]:
+    """SIGKILLs rank 0 (the node's leader) a second into its map, once the others wait; the
+    time of the kill goes to ``$PLT_OUT/killed-at``."""
+    _count(1)
+    if os.environ.get("RANK") == "0":
+        time.sleep(1.0)
+        Path(os.environ["PLT_CALLS_FILE"]).with_name("killed-at").write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"k": len(example["text"])}
+
+
 def raises(example: dict[str, Any]) -> dict[str, Any]:
     _count(1)
     time.sleep(1.0)  # the other ranks are waiting by then: they follow this attempt
@@ -93,6 +106,7 @@ def _steps(dd: Any) -> dict[str, Any]:
         "no_cache_reuse": lambda: train.map(upper, load_from_cache_file=False),
         "num_proc": lambda: train.map(shout, num_proc=2, desc="upper, 2 processes"),
         "no_update": lambda: train.map(inspect_only),
+        "leader_killed": lambda: train.map(kill_rank0),
         "raises": lambda: train.map(raises),
     }
 
@@ -153,6 +167,10 @@ def body(report: dict[str, Any]) -> None:
     parser.add_argument("--steps", default="tokenize")
     args = parser.parse_args()
 
+    if os.environ.get("PLT_PER_RANK_DATASETS_CACHE") == "1":  # one hub cache, one each
+        os.environ["HF_DATASETS_CACHE"] = str(Path(os.environ["HF_HOME"])
+                                              / f"datasets-rank-{_common.RANK}")
+
     import patchload
     import datasets
 
@@ -166,7 +184,9 @@ def body(report: dict[str, Any]) -> None:
         record["ok"] = True
     steps = _steps(dd)
     for name in [s for s in args.steps.split(",") if s]:
-        with _common.step(report, name, barrier) as record:
+        if name == "leader_killed":  # rank 0 dies in it: no barrier after it (the last step)
+            barrier()
+        with _common.step(report, name, None if name == "leader_killed" else barrier) as record:
             before = _calls()
             with _lines() as lines:
                 record.update(_common.attempt(lambda: _describe(steps[name](), home)))
