@@ -143,6 +143,7 @@ LAYERS: Final[dict[str, int]] = {
     # patches/: one module per library, and their registry
     "patchload.patches": PATCHES,
     "patchload.patches.datasets": PATCHES,
+    "patchload.patches.datasets_map": PATCHES,
     # top: the public API and doctor
     "patchload": TOP,
     "patchload.__main__": TOP,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Final
 
 from .datasets import datasets_patches
+from .datasets_map import map_patches
 
 if TYPE_CHECKING:
     from .._patching import Patch
@@ -35,6 +36,8 @@ class LibraryPatches:
 
 LIBRARIES: Final = (
     LibraryPatches(package="datasets", patches=datasets_patches),
+    # datasets' Dataset.map: a module of its own (load_dataset's HTTP record is another job).
+    LibraryPatches(package="datasets", patches=map_patches),
 )
 
 

@@ -1,0 +1,198 @@
+"""Rank worker: ``Dataset.map`` / ``filter`` calls (see tests/test_datasets_map.py).
+
+Usage: ``datasets_map.py --steps name,name,...`` (``PLT_PER_RANK_DATASETS_CACHE=1``:
+``HF_DATASETS_CACHE=$HF_HOME/datasets-rank-<RANK>``, one hub cache). Every rank loads ``org/ds-map`` (a parquet
+repo of the loopback hub) once, then runs each step of :data:`STEPS` between test barriers. The
+report holds, per step, what the step returned (each split's fingerprint, rows, features,
+content hash and cache files with ``HF_HOME`` replaced by ``<home>``) or the exception, how many
+times this rank's process called the step's function (counted in ``$PLT_OUT/calls-<rank>``, a
+file the function appends to: its fingerprint must not depend on the rank, so it reads the
+path from the environment), and patchload's INFO lines.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{os.environ.get('RANK', '0')}"
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Iterator  # noqa: E402
+
+import _common  # noqa: E402
+
+CALLS = _common.OUT / f"calls-{_common.RANK}"
+os.environ["PLT_CALLS_FILE"] = str(CALLS)
+_UNHASHABLE = (i for i in range(1))
+
+
+def _count(n: int) -> None:
+    with open(os.environ["PLT_CALLS_FILE"], "a", encoding="utf-8") as f:
+        f.write(f"{n}\n")
+
+
+def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """A character-level tokenizer, batched: ids and a length per text."""
+    _count(len(batch["text"]))
+    ids = [[ord(c) % 97 for c in text] for text in batch["text"]]
+    return {"input_ids": ids, "length": [len(i) for i in ids]}
+
+
+def keep_even(example: dict[str, Any]) -> bool:
+    _count(1)
+    return example["label"] % 2 == 0
+
+
+def upper(example: dict[str, Any]) -> dict[str, Any]:
+    _count(1)
+    return {"text": example["text"].upper()}
+
+
+def shout(example: dict[str, Any]) -> dict[str, Any]:
+    _count(1)
+    return {"text": example["text"] + "!"}
+
+
+def inspect_only(example: dict[str, Any]) -> None:
+    """Returns nothing: ``datasets`` keeps the dataset as it is and writes no cache file."""
+    _count(1)
+
+
+def kill_rank0(example: dict[str, Any]) -> dict[str, Any]:
+    """SIGKILLs rank 0 (the node's leader) a second into its map, once the others wait; the
+    time of the kill goes to ``$PLT_OUT/killed-at``."""
+    _count(1)
+    if os.environ.get("RANK") == "0":
+        time.sleep(1.0)
+        Path(os.environ["PLT_CALLS_FILE"]).with_name("killed-at").write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"k": len(example["text"])}
+
+
+def raises(example: dict[str, Any]) -> dict[str, Any]:
+    _count(1)
+    time.sleep(1.0)  # the other ranks are waiting by then: they follow this attempt
+    raise ValueError(f"bad example {example['text']!r}")
+
+
+def unhashable(example: dict[str, Any]) -> dict[str, Any]:
+    """Holds a generator in its globals, which ``datasets`` cannot hash (dill pickles no
+    generator): a random fingerprint."""
+    assert _UNHASHABLE is not None
+    _count(1)
+    return {"n": len(example["text"])}
+
+
+def _steps(dd: Any) -> dict[str, Any]:
+    import datasets
+
+    train = dd["train"]
+    return {
+        "tokenize": lambda: train.map(tokenize, batched=True, batch_size=4),
+        "filter": lambda: train.filter(keep_even),
+        "dict_map": lambda: dd.map(upper),
+        "chained": lambda: train.map(upper).map(tokenize, batched=True),
+        "unhashable": lambda: train.map(unhashable),
+        "in_memory": lambda: datasets.Dataset.from_dict(
+            {"text": ["p", "qq", "rrr"], "label": [1, 2, 3]}).map(upper),
+        "no_cache_reuse": lambda: train.map(upper, load_from_cache_file=False),
+        "num_proc": lambda: train.map(shout, num_proc=2, desc="upper, 2 processes"),
+        "no_update": lambda: train.map(inspect_only),
+        "leader_killed": lambda: train.map(kill_rank0),
+        "raises": lambda: train.map(raises),
+    }
+
+
+def _one(dataset: Any, home: str) -> dict[str, Any]:
+    rows = dataset.to_dict()
+    return {"fingerprint": dataset._fingerprint, "num_rows": dataset.num_rows,
+            "rows": rows, "features": dataset.features.to_dict(),
+            "content": hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest(),
+            "split": str(dataset.split),
+            "files": [f["filename"].replace(home, "<home>") for f in dataset.cache_files]}
+
+
+def _describe(result: Any, home: str) -> dict[str, Any]:
+    import datasets
+
+    if isinstance(result, datasets.Dataset):
+        return {"dataset": _one(result, home)}
+    return {"splits": {name: _one(split, home) for name, split in result.items()}}
+
+
+@contextlib.contextmanager
+def _lines() -> Iterator[list[str]]:
+    """patchload's INFO lines of this thread (its call and map loggers) during the block."""
+    lines: list[str] = []
+    thread = threading.get_ident()
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.thread == thread:
+                lines.append(record.getMessage())
+
+    logs = [logging.getLogger(name) for name in ("patchload.coordination.call",
+                                                 "patchload.patches.datasets_map")]
+    handler = Collect(logging.INFO)
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.addHandler(handler)
+        if log.getEffectiveLevel() > logging.INFO:
+            log.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        for log, level in zip(logs, levels):
+            log.removeHandler(handler)
+            log.setLevel(level)
+
+
+def _calls() -> int:
+    try:
+        return sum(int(line) for line in CALLS.read_text().split())
+    except FileNotFoundError:
+        return 0
+
+
+def body(report: dict[str, Any]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", default="tokenize")
+    args = parser.parse_args()
+
+    if os.environ.get("PLT_PER_RANK_DATASETS_CACHE") == "1":  # one hub cache, one each
+        os.environ["HF_DATASETS_CACHE"] = str(Path(os.environ["HF_HOME"])
+                                              / f"datasets-rank-{_common.RANK}")
+
+    import patchload
+    import datasets
+
+    datasets.disable_progress_bars()
+    report["installed"] = patchload.is_installed()
+    report["map_patched"] = type(vars(datasets.Dataset)["map"]).__name__ == "FunctionWrapper"
+    home = str(Path(os.environ["HF_HOME"]))
+    barrier = _common.Barrier()
+    with _common.step(report, "load", barrier) as record:
+        dd = datasets.load_dataset("org/ds-map")
+        record["ok"] = True
+    steps = _steps(dd)
+    for name in [s for s in args.steps.split(",") if s]:
+        if name == "leader_killed":  # rank 0 dies in it: no barrier after it (the last step)
+            barrier()
+        with _common.step(report, name, None if name == "leader_killed" else barrier) as record:
+            before = _calls()
+            with _lines() as lines:
+                record.update(_common.attempt(lambda: _describe(steps[name](), home)))
+            record["calls"] = _calls() - before
+            record["lines"] = lines
+
+
+if __name__ == "__main__":
+    _common.main(body)
