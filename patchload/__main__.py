@@ -128,7 +128,8 @@ def doctor() -> list[str]:
     scope = cfg.download_scope
     if scope == "auto":
         scope = "auto -> node (one node)" if topo.num_nodes == 1 else \
-            "auto (decided at the first call: job if the hub cache is shared by the nodes)"
+            ("auto (decided at the job's first patched call, waiting for no rank: job if every "
+             "node has shown by then that it sees this hub cache, else node)")
     lines += [f"download scope: {scope}",
               f"weights: {'shared with followers' if cfg.broadcast else 'each rank loads its own'}"
               " (PATCHLOAD_BROADCAST)",
@@ -145,6 +146,9 @@ def doctor() -> list[str]:
               f"{_seconds(cfg.progress_warning_s)}",
               f"bucket: {cfg.bucket_bytes / 2**20:g} MiB",
               describe_logging()]
+    if "PATCHLOAD_SCOPE_WAIT" in os.environ:  # validated, but nothing waits for the scope now
+        lines.append(f"PATCHLOAD_SCOPE_WAIT={os.environ['PATCHLOAD_SCOPE_WAIT']}: no longer "
+                     "used (the download scope is decided without waiting for any rank)")
     from huggingface_hub import constants
 
     lines.append(f"hub cache: {constants.HF_HUB_CACHE}")

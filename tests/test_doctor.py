@@ -129,3 +129,16 @@ def test_under_torchrun_one_report_per_job(tmp_path):
     assert re.fullmatch(_rank_line(0, 2, tmp_path / "hub"), out[0][2]), out[0][2]
     assert "store: agent" in out[0]
     assert any(line.startswith("patches installed: ") for line in out[0])
+
+
+def test_two_nodes_say_how_the_scope_is_decided_and_that_scope_wait_is_unused(tmp_path):
+    """The ``auto`` scope is decided without waiting for any rank (issue 30): the report says
+    so, and a ``PATCHLOAD_SCOPE_WAIT`` still set in the environment is named as unused."""
+    lines = _doctor(tmp_path, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                    PATCHLOAD_SCOPE_WAIT="30")
+    assert ("download scope: auto (decided at the job's first patched call, waiting for no "
+            "rank: job if every node has shown by then that it sees this hub cache, else node)"
+            ) in lines, lines
+    assert ("PATCHLOAD_SCOPE_WAIT=30: no longer used (the download scope is decided without "
+            "waiting for any rank)") in lines, lines
+    assert not any("SCOPE_WAIT" in line for line in _doctor(tmp_path, RANK="0", WORLD_SIZE="2"))

@@ -113,7 +113,8 @@ def wire_schema(job: Job) -> dict[str, Any]:
             if not _is_write(record):
                 continue
             keys = record.get("keys") or [record["key"]]
-            for key in keys:
+            values = record.get("values") or [record.get("value")] * len(keys)  # multi_set: each
+            for key, value in zip(keys, values):
                 found = _CALL_KEY.match(key)
                 if found is None:  # rank 0's sequence keys name a node and a call's digest
                     call = "other"
@@ -133,9 +134,9 @@ def wire_schema(job: Job) -> dict[str, Any]:
                 if record["op"] not in ops:
                     ops.append(record["op"])
                     ops.sort()
-                if "value" in record and (rest not in entry["values"]
+                if value is not None and (rest not in entry["values"]
                                           or entry["values"][rest][0] == rank):
-                    entry["values"][rest] = (rank, _value_shape(record["value"]))
+                    entry["values"][rest] = (rank, _value_shape(value))
     for calls in loads.values():
         for entry in calls.values():
             entry["keys"] = dict(sorted(entry["keys"].items()))

@@ -142,9 +142,16 @@ class Heartbeat:
                 self._thread = None
                 return False
             calls = list(self._calls.values())
+        for key in [key for key in due if key not in {call.key for call in calls}]:
+            del due[key]  # calls no longer led: bounded over a long stream of calls
         now = time.monotonic()
         for call in calls:
-            if due.get(call.key, 0.0) <= now:
+            # A call's first beat is one period after the thread first sees it, not at once:
+            # its followers count silence from their own start (two periods and a second), and
+            # the beats of its claim-to-outcome changes come from beat(); a warm loop's call
+            # ends before its first period, with no heartbeat request at all.
+            due.setdefault(call.key, now + call.config.heartbeat_s)
+            if due[call.key] <= now:
                 due[call.key] = now + call.config.heartbeat_s
                 # Only while still led, and remove() waits for it: no beat comes after the
                 # call's keys were deleted (it would leave two behind).

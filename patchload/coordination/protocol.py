@@ -125,26 +125,32 @@ def claim(call: Call, *, retry_failed: bool = True) -> tuple[Call, Role]:
         The attempt (``call`` with its key narrowed to ``.../a<n>/``) and this rank's role in it:
         ``lead=True`` if this rank is the first of its scope to claim it.
     """
+    narrowed, role, _ = _claim(call, retry_failed=retry_failed)
+    return narrowed, role
+
+
+def _claim(call: Call, *, retry_failed: bool = True
+           ) -> tuple[Call, Role, dict[str, Any] | None]:
+    """:func:`claim`, and the attempt's outcome where a follower found it already published
+    (None: not read, or not there yet): a late follower then needs no second read of it."""
     me = json.dumps({"rank": call.topology.rank, "pid": os.getpid(), "node": node_id()})
     attempt = 0
     while True:
         narrowed = dataclasses.replace(call, key=f"{call.key}a{attempt}/", attempt=attempt)
+        holder = None
         if attempt == 0 and call.topology.rank != _rank0.scope_rank0(call):
-            _rank0.await_rank0(narrowed)
+            holder = _rank0.await_rank0(narrowed)
+        outcome = None
         with call.store.lock:
-            holder = call.store.store.compare_set(narrowed.key + "leader", "", me).decode()
-            failed = retry_failed and holder != me and _failed(narrowed)
-        if not failed:
+            if holder is None:  # await_rank0 saw no claim: make one (or learn who holds it)
+                holder = call.store.store.compare_set(narrowed.key + "leader", "", me).decode()
+            if retry_failed and holder != me:
+                outcome = _published(narrowed)
+        if outcome is None or outcome.get("ok"):
             info = json.loads(holder)
             return narrowed, Role(holder == me, int(info["rank"]), int(info["pid"]),
-                                  str(info["node"]))
+                                  str(info["node"])), outcome
         attempt += 1
-
-
-def _failed(call: Call) -> bool:
-    """Whether the attempt ``call`` has a published error outcome (caller holds the lock)."""
-    outcome = _published(call)
-    return outcome is not None and not outcome.get("ok")
 
 
 _HEARTBEAT: Final = Heartbeat()
@@ -192,7 +198,7 @@ def announcement(call: Call) -> dict[str, Any] | None:
 
 def wait_outcome(call: Call, role: Role, *,
                  until: Callable[[], bool] | None = None,
-                 since: float | None = None) -> dict[str, Any] | None:
+                 since: float | None = None, unread: bool = False) -> dict[str, Any] | None:
     """Wait for the leader's outcome of ``call``. Not collective; bounded.
 
     Args:
@@ -202,6 +208,8 @@ def wait_outcome(call: Call, role: Role, *,
             each time the leader beats), e.g. the leader announced its files.
         since: where this wait continues earlier ones, ``time.monotonic()`` less the seconds
             they waited: ``PATCHLOAD_TIMEOUT`` bounds them all together.
+        unread: the caller has just found no outcome (its claim read it): the first look reads
+            the beat counter before the outcome, one request fewer.
 
     Returns:
         The outcome dict the leader published, or None (``until`` only).
@@ -221,7 +229,9 @@ def wait_outcome(call: Call, role: Role, *,
         with store.lock:
             # Woken by a change: two requests. Else the counter before the outcome's second
             # check: a beat that comes after this read ends the wait below.
-            found, outcome = _outcome_or(call, until)
+            found, outcome = (False, None) if unread and until is None else \
+                _outcome_or(call, until)
+            unread = False
             if not found:
                 seen = read_beat(call)
                 found, outcome = _outcome_or(call, until)
@@ -350,11 +360,13 @@ class LeaderView:
             view raised, if any; never this rank's own interrupt.
     """
 
-    def __init__(self, call: Call, role: Role, idle: Callable[[], None] | None = None) -> None:
+    def __init__(self, call: Call, role: Role, idle: Callable[[], None] | None = None, *,
+                 outcome: dict[str, Any] | None = None, unread: bool = False) -> None:
         self.call = call
         self.role = role
         self._idle = idle
-        self._outcome: dict[str, Any] | None = None
+        self._outcome: dict[str, Any] | None = outcome  # already read (by the claim), or None
+        self._unread = unread
         self._waited = 0.0  # seconds spent blocked in this view's waits
         self._gone: LeaderFailedError | PatchloadTimeout | None = None
         self.raised: BaseException | None = None
@@ -430,8 +442,10 @@ class LeaderView:
             idle, self._idle = self._idle, None
             idle()
         begun = time.monotonic()
+        unread, self._unread = self._unread, False
         try:
-            return wait_outcome(self.call, self.role, until=until, since=begun - self._waited)
+            return wait_outcome(self.call, self.role, until=until, since=begun - self._waited,
+                                unread=unread)
         except (LeaderFailedError, PatchloadTimeout) as err:
             self._gone = err
             raise
@@ -478,36 +492,45 @@ def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
         _HEARTBEAT.remove(call)
 
 
-def finish(call: Call) -> None:
+def finish(call: Call, *, followers: bool = True) -> None:
     """This rank is done with ``call`` (with every attempt of it): count it out. The last rank
     of the call's scope to do so deletes the call's keys, so that the store stays bounded over a
     job's calls. Not collective; never waits; never raises (a store failure only leaves keys).
 
     Keys of a call that some rank of its scope never makes stay until the job's store goes:
     torchrun's agent store ends with the job, and the last process out removes a node-local one.
+
+    ``followers``: the call may have written the followers' bookkeeping (``arrived/<r>``,
+    ``done/<r>``, ``arrivals``) and a model load's ``files`` and ``pins``, which are then
+    deleted too (False for a call that loads no model: :func:`leader_first` writes none there).
     """
     store = call.store
     try:
         with store.lock:
             if store.store.add(call.base + "finished", 1) >= call.scope_size():
-                _delete_keys(call)
+                _delete_keys(call, followers=followers)
     except Exception as err:  # noqa: BLE001 - cleanup only
         logger.debug("%s: deleting the store keys of %s failed: %s", call.prefix(), call.key,
                      err)
 
 
-def _delete_keys(call: Call) -> None:
-    """Delete every key of every attempt of ``call`` (the caller holds the lock)."""
+def _delete_keys(call: Call, *, followers: bool = True) -> None:
+    """Delete every key of every attempt of ``call`` (the caller holds the lock); with
+    ``followers`` False, not the bookkeeping keys that only a model load writes (see
+    :func:`finish`): each deletion is a request, and a warm loop's calls are short."""
     store = call.store.store
     topology = call.topology
     ranks = topology.node_ranks() if call.scope == "node" else range(topology.world_size)
     attempt = 0
-    while store.check([f"{call.base}a{attempt}/leader"]):
+    # Attempt 0 exists: every rank that finishes claimed it first.
+    while attempt == 0 or store.check([f"{call.base}a{attempt}/leader"]):
         key = f"{call.base}a{attempt}/"
         beats = int(store.add(key + "beat", 0))
-        names = ["leader", "outcome", "files", "pins", "beat", "arrivals", "arrivals/all"]
+        names = ["leader", "outcome", "beat"]
         names += [f"beat/{n}" for n in range(max(1, beats - KEEP_BEAT_KEYS), beats + 2)]
-        names += [f"{what}/{r}" for r in ranks for what in ("arrived", "done")]
+        if followers:
+            names += ["files", "pins", "arrivals", "arrivals/all"]
+            names += [f"{what}/{r}" for r in ranks for what in ("arrived", "done")]
         for name in names:
             store.delete_key(key + name)
         attempt += 1
@@ -552,7 +575,7 @@ def leader_first(call: Call,
         leader's outcome (the leader's message; a note names the ranks), or
         :class:`LeaderFailedError` / :class:`PatchloadTimeout` from :func:`wait_outcome`.
     """
-    call, role = claim(call)
+    call, role, seen = _claim(call)
     if role.lead:
         try:
             with leading(call) as done:
@@ -565,15 +588,17 @@ def leader_first(call: Call,
                         logger.warning("%s: sharing with the followers failed: %s",
                                        call.prefix(), err)
         finally:
-            finish(call)
+            finish(call, followers=early)
         return result
     logger.debug("%s: following", call.prefix(role.leader_rank))
-    with call.store.lock:  # lets the leader see who is waiting
-        call.store.store.set(call.key + f"arrived/{call.topology.rank}",
-                             json.dumps({"pid": os.getpid(), "node": node_id()}))
-        if call.store.store.add(call.key + "arrivals", 1) >= call.scope_size() - 1:
-            call.store.store.set(call.key + "arrivals/all", "")  # wakes a leader waiting on all
-    leader = LeaderView(call, role, idle)
+    if early:  # a model load's leader shares with the followers that wait (its only reader)
+        with call.store.lock:
+            call.store.store.set(call.key + f"arrived/{call.topology.rank}",
+                                 json.dumps({"pid": os.getpid(), "node": node_id()}))
+            if call.store.store.add(call.key + "arrivals", 1) >= call.scope_size() - 1:
+                call.store.store.set(call.key + "arrivals/all", "")  # wakes a leader waiting
+    # The claim read the outcome (a follower's always does): absent, the first wait skips it.
+    leader = LeaderView(call, role, idle, outcome=seen, unread=seen is None and not idle)
     try:
         with _rank0.following(call):  # a rank waiting for this one's nested call goes on
             if early:
@@ -586,6 +611,7 @@ def leader_first(call: Call,
                 return interrupted(call, role, err)
         return follow(call, role, leader)
     finally:
-        with call.store.lock:
-            call.store.store.set(call.key + f"done/{call.topology.rank}", "1")
-        finish(call)
+        if early:
+            with call.store.lock:
+                call.store.store.set(call.key + f"done/{call.topology.rank}", "1")
+        finish(call, followers=early)

@@ -359,9 +359,10 @@ def _publish(call: Call, facts: dict[str, str]) -> None:
     if complete is not None or not _STATE.knows(call.store):
         _STATE.facts(call.store, call.topology.rank, complete)
     placement = call.placement
-    with call.store.lock:
-        call.store.store.set(f"seqkey/{call.key}", str(placement.position))
-        call.store.store.set(f"seq/{placement.sequence}/{placement.position}", call.key)
+    with call.store.lock:  # one request for both entries
+        call.store.store.multi_set([f"seqkey/{call.key}",
+                                    f"seq/{placement.sequence}/{placement.position}"],
+                                   [str(placement.position), call.key])
 
 
 _CREDENTIALS: dict[str, Any] = {"reported": set(), "checks": 0, "warned": False, "call": None}
@@ -407,27 +408,40 @@ def _check_credentials(*, final: bool) -> None:
 
 # --- waiting for rank 0 ---------------------------------------------------------------------------
 
-def await_rank0(call: Call) -> None:
+def await_rank0(call: Call) -> str | None:
     """Wait until the scope's rank 0 claimed attempt ``call`` or showed that it will not make
     it (see the module docstring); then the caller claims. Not collective; bounded by
     ``PATCHLOAD_CLAIM_GRACE`` seconds; returns at once when that is 0. Never raises (a store
-    failure ends the wait)."""
+    failure ends the wait).
+
+    Returns:
+        The claim it saw (the ``leader`` key's value: the caller follows that one without
+        claiming), or None (the caller claims)."""
     cfg = call.config
     if cfg.claim_grace_s <= 0:
-        return
+        return None
     try:
-        _await(call, cfg.claim_grace_s, cfg.progress_warning_s)
+        return _await(call, cfg.claim_grace_s, cfg.progress_warning_s)
     except Exception as err:  # noqa: BLE001 - the caller's claim reports a broken store
         logger.debug("%s: waiting for rank 0 failed: %s", call.prefix(), err)
+        return None
 
 
-def _await(call: Call, bound_s: float, warning_s: float | None) -> None:
+def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
     store, placement, base = call.store, call.placement, call.base
     rank0 = scope_rank0(call)
     leader = call.key + "leader"
+    # The common case of a warm loop, rank 0 ahead: its claim is there, one request. (The
+    # anchor is not moved then: its offset changes only at a call rank 0 does not make, whose
+    # next shared call finds rank 0's seqkey entry again below.)
+    with store.lock:
+        holder = _read(store, leader)
+    if holder is not None:
+        return holder
     start = time.monotonic()
     warn_at = start + warning_s if warning_s is not None else math.inf
     matched = placement is None
+    fresh = False  # just matched: rank 0 published this call
     at_key = ""
     if placement is not None:
         anchor = _reanchor(store, placement.sequence)
@@ -435,17 +449,19 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> None:
     while True:
         if matched:
             with store.lock:
-                if store.store.check([leader]):
-                    return
+                holder = _read(store, leader)
+            if holder is not None:
+                return holder
         else:
             with store.lock:
                 found = _read(store, f"seqkey/{base}")
                 # Another rank that gave up on rank 0 claimed it: follow that one.
-                if found is None and store.store.check([leader]):
-                    return
+                holder = None if found is not None else _read(store, leader)
+            if holder is not None:
+                return holder
             if found is not None:
                 _matched(placement, int(found))
-                matched = True
+                matched = fresh = True
                 continue
             # Rank 0's entries from where this call belongs, past this process's own calls
             # (other threads): the first other one shows that rank 0 passed this call by.
@@ -458,14 +474,19 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> None:
                 expected += 1
             if at == base:
                 _matched(placement, expected)
-                matched = True
+                matched = fresh = True
                 continue
             if at is not None:
                 return _gave_up(call, placement, f"rank {rank0} made another call at that point "
                                 f"({at})", remember=True)
-        with store.lock:
-            raw = _read(store, f"ranks/{rank0}/state")
-        state = json.loads(raw) if raw else None
+        if fresh:
+            # Rank 0 has just published this very call and claims it right after: its state
+            # is read only once the first slice of the wait for that claim ends without it.
+            fresh, state = False, None
+        else:
+            with store.lock:
+                raw = _read(store, f"ranks/{rank0}/state")
+            state = json.loads(raw) if raw else None
         differs = _differs(state, placement, rank0)
         if differs is not None:  # rank 0 never makes this key: not worth anchoring on
             return _gave_up(call, placement, differs, remember=False)

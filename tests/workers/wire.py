@@ -8,7 +8,8 @@ with ``dtype=torch.bfloat16`` (converted on the leader: shared through a blob or
 The recorder wraps ``torch.distributed.PrefixStore``'s Python-level write methods (``set``,
 ``compare_set``, ``add``, ``delete_key``, ``append``, ``multi_set``) and keeps the calls made
 on a job store of patchload's (the stores ``patchload.coordination.store._make`` returns),
-with the key (below the job's namespace) and, for ``set``/``compare_set``, the value written.
+with the key (below the job's namespace) and, for ``set``/``compare_set``/``multi_set``, the
+value written.
 Nothing patchload does changes: the wrappers call the original methods with the same
 arguments, ``_make`` is wrapped only to learn which stores are patchload's, and C++ callers of
 a store (a private gloo group's rendezvous) bypass the Python-level wrappers.
@@ -73,6 +74,7 @@ class StoreRecorder:
                 record: dict[str, Any] = {"op": name, "step": recorder.step}
                 if name == "multi_set":
                     record["keys"] = list(args[0])
+                    record["values"] = [_text(v) for v in args[1]]
                 else:
                     record["key"] = args[0]
                 if name == "set":
