@@ -67,7 +67,7 @@ def test_no_launcher_full_report_with_every_patch(tmp_path):
                  "transformers.dynamic_module_utils.get_cached_module_file"):
         assert f"  {name}" in listed, name
     # Other libraries' patches: pending until their module is imported.
-    assert lines[installed + 1 + count] == ("patches pending: 14 (each lands when its module is "
+    assert lines[installed + 1 + count] == ("patches pending: 17 (each lands when its module is "
                                             "first imported)")
     peft = "" if importlib.util.find_spec("peft") else " (peft is not installed)"
     assert ("  peft.peft_model.PeftModel.from_pretrained: pending until peft.peft_model is "
