@@ -23,22 +23,32 @@ import sys
 import threading
 from typing import Any, Callable, Final, Iterator
 
+from .._logging import get_logger
 from .._patching import Patch
 
-__all__ = ["History", "HISTORY", "Replay", "ReplayMiss", "current_replay", "http_patches",
-           "recordable", "recording", "replaying", "request_key"]
+__all__ = ["History", "HISTORY", "LeaderAnswers", "Record", "Replay", "ReplayMiss",
+           "answer_key", "current_replay", "http_patches", "recordable", "recording",
+           "is_answer", "recording_active", "replaying", "request_key"]
+
+logger = get_logger(__name__)
 
 # Response headers not replayed as recorded: the recorded body is already decoded, and its length
 # is set from it.
 _UNREPLAYED_HEADERS: Final = frozenset({"content-encoding", "transfer-encoding", "content-length"})
 _HTTP_PACKAGES: Final = ("httpx2", "httpx")
 _HISTORY_MAX_BYTES: Final = 4 << 20
+# A coordinated call's leader publishes each answer it records in the job's store: a response
+# body past this (a listing of many thousand files) is not recorded, and a follower that makes
+# the same request sends it to the hub itself.
+_MAX_ANSWER_BYTES: Final = 4 << 20
+# Where a coordinated call's leader publishes each recorded answer among its pins.
+_ANSWER_PREFIX: Final = "http:"
 
 # The leader's call: the exchanges recorded so far (None: not recording).
-_RECORDING: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
+_RECORDING: contextvars.ContextVar[list[dict[str, Any]] | Record | None] = contextvars.ContextVar(
     "patchload_recording", default=None)
 # A follower's rerun: the leader's record it answers from (None: not replaying).
-_REPLAY: contextvars.ContextVar[Replay | None] = contextvars.ContextVar(
+_REPLAY: contextvars.ContextVar[Replay | LeaderAnswers | None] = contextvars.ContextVar(
     "patchload_replay", default=None)
 
 
@@ -113,9 +123,9 @@ class Replay:
         self.missed: str | None = None
         self.answered = 0
 
-    def answer(self, request: Any) -> Any:
+    def answer(self, request: Any, send: Callable[[], Any]) -> Any:
         """The leader's response to ``request`` (an ``httpx`` request), or its transport error
-        raised again.
+        raised again (``send`` is never called: a request the leader never made is a miss).
 
         Raises:
             ReplayMiss: the leader never made this request.
@@ -128,6 +138,88 @@ class Replay:
             raise ReplayMiss(f"the leader made no request {key.rsplit(' ', 1)[0]}")
         self._last[key] = entry
         self.answered += 1
+        return _response(entry, request, key)
+
+
+def answer_key(key: str, occurrence: int) -> str:
+    """The pin under which a coordinated call's leader publishes the answer to its
+    ``occurrence``-th (from 0) request :func:`request_key` ``key``."""
+    return f"{_ANSWER_PREFIX}{key}#{occurrence}"
+
+
+def is_answer(pin_key: str) -> bool:
+    """Whether a pin key names a recorded answer (:func:`answer_key`), not a hub file."""
+    return pin_key.startswith(_ANSWER_PREFIX)
+
+
+class Record(list):  # type: ignore[type-arg]
+    """A coordinated call's leader's record: each exchange appended (by :func:`_send`, from any
+    thread of the call) is handed to ``added`` with its :func:`answer_key` at once, so that a
+    model load's followers, which start at once, get it while the leader goes on. An answer
+    whose body is larger than :data:`_MAX_ANSWER_BYTES` is not handed on."""
+
+    def __init__(self, added: Callable[[str, dict[str, Any]], None]) -> None:
+        super().__init__()
+        self._added = added
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    def append(self, entry: dict[str, Any]) -> None:
+        with self._lock:
+            occurrence = self._counts[entry["key"]]
+            self._counts[entry["key"]] += 1
+            super().append(entry)
+        if len(entry.get("content", "")) <= _MAX_ANSWER_BYTES:
+            self._added(answer_key(entry["key"], occurrence), entry)
+
+
+class LeaderAnswers:
+    """A follower's answers from its leader's record, as the leader publishes it: the
+    ``n``-th request of a kind (:func:`request_key`) gets the leader's ``n``-th answer to it.
+    One the leader has not answered yet is waited for (``wait``: until the leader published it
+    or its outcome, bounded by ``PATCHLOAD_TIMEOUT``); one it never answered is sent to the hub
+    as a plain rank sends it (never guessed) and counted in :attr:`unrecorded`.
+
+    Args:
+        lookup: the leader's published answer under an :func:`answer_key`, or None; never
+            waits.
+        wait: waits until the leader published that answer or its outcome (returns at once
+            where this rank must not wait); raises the leader's failure.
+        what: the call, for the log line of a wait.
+    """
+
+    def __init__(self, lookup: Callable[[str], dict[str, Any] | None],
+                 wait: Callable[[str], None], what: str) -> None:
+        self._lookup = lookup
+        self._wait = wait
+        self._what = what
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self.answered = 0
+        self.unrecorded = 0
+
+    def answer(self, request: Any, send: Callable[[], Any]) -> Any:
+        """The leader's response to ``request``, its transport error raised again, or (a
+        request the leader never made) ``send()``."""
+        key = request_key(request)
+        with self._lock:
+            occurrence = self._counts[key]
+            self._counts[key] += 1
+        name = answer_key(key, occurrence)
+        entry = self._lookup(name)
+        if entry is None:
+            logger.debug("%s: waiting for the leader's answer to %s (#%d)", self._what,
+                         key.rsplit(" ", 1)[0], occurrence)
+            self._wait(name)
+            entry = self._lookup(name)
+        if entry is None:
+            with self._lock:
+                self.unrecorded += 1
+            logger.debug("%s: the leader made no request %s (#%d): sent to the hub", self._what,
+                         key.rsplit(" ", 1)[0], occurrence)
+            return send()
+        with self._lock:
+            self.answered += 1
         return _response(entry, request, key)
 
 
@@ -159,8 +251,9 @@ def _rebuilt_error(error: dict[str, str], request: Any, key: str) -> BaseExcepti
 
 
 @contextlib.contextmanager
-def recording(record: list[dict[str, Any]]) -> Iterator[None]:
-    """Record the block's HTTP exchanges into ``record`` (see the module docstring)."""
+def recording(record: list[dict[str, Any]] | Record | None) -> Iterator[None]:
+    """Record the block's HTTP exchanges into ``record`` (see the module docstring; None: do
+    not record them)."""
     token = _RECORDING.set(record)
     try:
         yield
@@ -169,7 +262,7 @@ def recording(record: list[dict[str, Any]]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def replaying(replay: Replay | None) -> Iterator[None]:
+def replaying(replay: Replay | LeaderAnswers | None) -> Iterator[None]:
     """Answer the block's HTTP requests from ``replay`` (None: pass them through)."""
     token = _REPLAY.set(replay)
     try:
@@ -178,7 +271,7 @@ def replaying(replay: Replay | None) -> Iterator[None]:
         _REPLAY.reset(token)
 
 
-def current_replay() -> Replay | None:
+def current_replay() -> Replay | LeaderAnswers | None:
     """The replay answering this context's requests, or None."""
     return _REPLAY.get()
 
@@ -190,7 +283,8 @@ def _send(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
     follower finds the file in the cache the leader filled); elsewhere passed through."""
     replay = _REPLAY.get()
     if replay is not None:
-        return replay.answer(kwargs["request"] if "request" in kwargs else args[0])
+        return replay.answer(kwargs["request"] if "request" in kwargs else args[0],
+                             lambda: wrapped(*args, **kwargs))
     record = _RECORDING.get()
     if record is None:
         return wrapped(*args, **kwargs)
@@ -214,6 +308,11 @@ def recordable() -> bool:
     from huggingface_hub.utils import get_session
 
     return type(get_session()).__module__.partition(".")[0] in _HTTP_PACKAGES
+
+
+def recording_active() -> bool:
+    """Whether this context records its HTTP exchanges (a leader's call)."""
+    return _RECORDING.get() is not None
 
 
 def http_patches() -> list[Patch]:
