@@ -82,7 +82,7 @@ class Mode:
             :func:`_as_asked` undoes it in each).
         replayed: followers: the call's HTTP requests are answered from the leader's record
             (:mod:`.replay`), so it runs with the caller's arguments; only its hub downloads
-            are made offline. False where huggingface_hub's client is not ``httpx`` (0.x).
+            (``hf_hub_download``, ``snapshot_download``) are made offline. False where huggingface_hub's client is not ``httpx`` (0.x).
         answers: followers with ``replayed``: the answers given so far (requests counted).
     """
 
@@ -481,7 +481,7 @@ class _Coordinated:
                     cache_dir=self.kwargs.get("cache_dir"), asked_offline=asked,
                     replayed=replayed, answers=answers)
         rng = _rng_state()
-        if replayed and self.name not in _PINNED:  # the caller's arguments: see Mode.replayed
+        if replayed and self.name not in _HUB_DOWNLOADS:  # as asked: see Mode.replayed
             kwargs = self.kwargs
         else:
             kwargs = _offline(self.kwargs) if self.offline_kwarg else self.kwargs
@@ -722,9 +722,11 @@ def _recorded(mode: Mode | None, name: str, args: tuple[Any, ...], kwargs: dict[
 
 def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:
-    """A patched call nested in a follower's coordinated call: a hub download (or revision
-    resolution) made offline and recorded, to be verified against the leader's; any other
-    call as it is where the call's requests are replayed (``mode.replayed``), else offline;
+    """A patched call nested in a follower's coordinated call: a hub download made offline
+    (files come from the cache the leader filled); any other call as it is where the call's
+    requests are replayed (``mode.replayed``: a revision resolution gets the leader's answer,
+    or its error), else offline; a hub download or revision recorded, to be verified against
+    the leader's;
     once the leader's same call returned (a model load's followers start at once: :meth:`Mode.wait_pin`). In a call whose
     weights this rank loads alongside its leader (``used["alongside"]``), after the leader's
     outcome: the files the leader resolves after loading (a generation config) are in the cache
@@ -733,8 +735,8 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
         mode.payload  # noqa: B018 - waits for the outcome; raises the leader's failure
     elif name in _PINNED and not _IN_SNAPSHOT.get():
         mode.wait_pin(_pin_key(name, args, kwargs))
-    if mode.replayed and name not in _PINNED:  # its requests get the leader's answers
-        return wrapped(*args, **kwargs)
+    if mode.replayed and name not in _HUB_DOWNLOADS:  # its requests get the leader's answers
+        return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **kwargs))
     return _recorded(mode, name, args, kwargs,
                      lambda: _as_asked(wrapped(*args, **_offline(kwargs)), mode.asked_offline))
 
