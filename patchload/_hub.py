@@ -79,7 +79,7 @@ def _file_exists(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ..
     cache the leader filled, the call's own ``cache_dir`` if it has one (a cached file exists;
     anything else is taken as absent)."""
     mode = current_mode()
-    if mode is None or mode.lead:
+    if mode is None or mode.lead or mode.replayed:  # replayed: the leader's answer
         return wrapped(*args, **kwargs)
     from huggingface_hub import try_to_load_from_cache
 

@@ -32,7 +32,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
@@ -528,11 +528,79 @@ SAVED = Scenario(
 _WITH_PLUGINS = os.pathsep.join(p for p in (str(Path(__file__).parent / "plugins"),
                                             str(Path(__file__).parent.parent),
                                             os.environ.get("PYTHONPATH")) if p)
+# --- the leader's answers, replayed: libraries take their online path on followers ---------------
+
+_MISSING_INFO_REPO: Final = "rp/mistral-404"
+
+
+def _mistral_setup(ctx: SetupContext) -> None:
+    """A 100k-word tokenizer beside a transformers-4.x Mistral config (its online and offline
+    loads differ: :func:`patchload.testing.models.mistral_style_tokenizer`), twice: the second
+    repo's ``model_info`` answers 404 (:func:`_mistral_run`)."""
+    folder = _models().mistral_style_tokenizer(ctx.assets / "rp-mistral")
+    ctx.hub.add_repo("rp/mistral", folder)
+    ctx.hub.add_repo(_MISSING_INFO_REPO, folder)
+
+
+def _mistral_run(ctx: RunContext) -> None:
+    from patchload.testing import Fault
+
+    # GET /api/models/<repo>: model_info, and the revision resolution of revision None;
+    # transformers takes each hub error for "not a Mistral model" / "unresolved" and goes on.
+    ctx.hub.add_fault(Fault(repo_id=_MISSING_INFO_REPO, path=f"/api/models/{_MISSING_INFO_REPO}",
+                            method="GET", status=404))
+
+
+MISTRAL = Scenario(
+    "mistral", (
+        # Online, transformers asks model_info for a mistralai base-model tag (none: the
+        # tokenizer is left alone); offline it would read config.json and warn.
+        {"name": "plain", "op": "tokenizer", "repo": "rp/mistral", "warnings": True},
+        # Offline it would put a regex Split before the pre-tokenizer: other ids.
+        {"name": "fix", "op": "tokenizer", "repo": "rp/mistral", "warnings": True,
+         "kwargs": {"fix_mistral_regex": True}},
+        # The leader's model_info met a 404: its followers' the same (transformers catches it).
+        {"name": "info-404", "op": "tokenizer", "repo": _MISSING_INFO_REPO, "warnings": True,
+         "kwargs": {"fix_mistral_regex": True}},
+    ), Requests.ONE_PER_CACHE, setup=_mistral_setup, per_run=_mistral_run)
+
+
+def _remote_setup(ctx: SetupContext) -> None:
+    ctx.hub.add_repo("rp/remote", _models().tiny_remote_code(ctx.assets / "rp-remote", seed=44))
+
+
+REMOTE_CODE = Scenario(
+    "remote-code", tuple(
+        # transformers asks model_info after reading the weights (a load's followers start at
+        # once: they wait for the leader's record, not for a claim grace).
+        {"name": f"load-{i}", "op": "model", "cls": "AutoModel", "repo": "rp/remote",
+         "kwargs": {"trust_remote_code": True}} for i in range(3)),
+    Requests.ONE_PER_CACHE, setup=_remote_setup)
+
+
+def _sentence_setup(ctx: SetupContext) -> None:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models as st_models
+
+    bert = _models().tiny_bert(ctx.assets / "rp-st-bert", seed=45)
+    transformer = st_models.Transformer(str(bert))
+    model = SentenceTransformer(modules=[transformer, st_models.Pooling(
+        transformer.get_embedding_dimension())], device="cpu")
+    model.save(str(ctx.assets / "rp-st-model"))
+    ctx.hub.add_repo("rp/sentence", ctx.assets / "rp-st-model")
+
+
+SENTENCE = Scenario(
+    "sentence", (
+        # Its model card asks model_info online (base model, datasets): saved byte for byte.
+        {"name": "load", "op": "sentence_transformer", "repo": "rp/sentence"},
+    ), Requests.ONE_PER_CACHE, setup=_sentence_setup)
 
 GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("rank0-late", (LATE_RANK0, RANK1_ALONE), process_group=True),
     Group("per-rank-tokens", (PER_RANK_TOKENS,)),
+    Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE), nproc=4),
     Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
     Group("local-dir", (LOCAL_DIR, SAVED), homes="shared", nproc=2, nodes=2,
           variants={"shm": {"PLT_RECORD_ATTACHES": "1"}}),
@@ -764,3 +832,25 @@ def test_a_registered_transport_carries_the_followers_weights(harness: Harness) 
     assert copied == {"INFO patchload [rank 1/3", "INFO patchload [rank 2/3"}, copied
     # (A zero-copy load's followers map the checkpoint files themselves, whatever the transport.)
     assert "bytes of weights received" not in log and "bytes of weights mapped," not in log
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_replay_scenarios_take_the_online_path(harness: Harness) -> None:
+    """In the plain run every rank asked model_info and kept the tokenizer as saved (no Mistral
+    warning, no regex Split: the offline path would differ), the 404 included. Patched, rank 0
+    made every request (the scenario rule), and no follower's remote-code load took over 1 s
+    longer than rank 0's."""
+    plain = harness.side("replay", "plain")
+    for step in ("mistral/plain", "mistral/fix", "mistral/info-404"):
+        info = [r for r in plain.window(step) if r.method == "GET"
+                and r.path.rstrip("/").endswith(("/api/models/rp/mistral", _MISSING_INFO_REPO))]
+        assert {r.rank for r in info} == {0, 1, 2, 3}, (step, info)
+        assert {r.status for r in info} == {404 if "404" in step else 200}, (step, info)
+        for rank, report in plain.ranks.items():
+            obs = _obs(report["steps"][step])
+            assert obs["warnings"] == [] and obs["pre_tokenizer"]["type"] == "Whitespace", obs
+    patched = harness.side("replay", "shm")
+    for i in range(3):
+        times = {rank: report["steps"][f"remote-code/load-{i}"]["attempts"][0]["call_s"]
+                 for rank, report in patched.ranks.items()}
+        assert all(t <= times[0] + 1.0 for t in times.values()), times

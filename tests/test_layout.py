@@ -117,6 +117,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.coordination.key": COORDINATION,
     "patchload.coordination.protocol": COORDINATION,
     "patchload.coordination.rank0": COORDINATION,
+    "patchload.coordination.replay": COORDINATION,
     "patchload.coordination.scope": COORDINATION,
     "patchload.coordination.store": COORDINATION,
     # transport: how bytes move

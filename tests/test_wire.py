@@ -8,7 +8,8 @@ schema and compares it with a golden file byte for byte:
 - for each load, the call's store keys (normalised: the node id and the call digests are
   placeholders, ``beat/<n>`` stands for every beat) with the operations that wrote them;
 - the shape of every JSON value written: the published outcome (the shm descriptor, the
-  collective payload, ``entries``), the files announcement, the pins, the leader's claim, the
+  collective payload, ``entries``), the files announcement, the pins (with the leader's
+  recorded HTTP answers, named without the hub's port or hashes), the leader's claim, the
   arrivals: every key path with its value's type (lists as their length and element shape),
   values kept only for a few keys that name a choice (``LITERAL_KEYS``), never pids, fds,
   paths, timestamps or hashes.
@@ -61,6 +62,8 @@ _CALL_KEY: Final = re.compile(r"^(job|node-[0-9a-f]+)/([^/]+)/([0-9a-f]{20})/(\d
 _BEAT: Final = re.compile(r"^(a\d+/beat)/\d+$")
 _NODE: Final = re.compile(r"node-[0-9a-f]{20}")
 _DIGEST: Final = re.compile(r"/([0-9a-f]{20})/")
+_HUB_URL: Final = re.compile(r"https?://127\.0\.0\.1:\d+")
+_HASH: Final = re.compile(r"\b[0-9a-f]{40}\b")
 
 
 def _shape(value: Any, key: str | None = None) -> Any:
@@ -68,7 +71,7 @@ def _shape(value: Any, key: str | None = None) -> Any:
     shape}`` when its elements share one shape, positional when short, else its length and
     the distinct shapes; a scalar is its type name (its value, under ``LITERAL_KEYS``)."""
     if isinstance(value, dict):
-        return {k: _shape(v, k) for k, v in sorted(value.items())}
+        return {_key_name(k): _shape(v, k) for k, v in sorted(value.items())}
     if isinstance(value, list):
         shapes = [_shape(v) for v in value]
         distinct = sorted({json.dumps(s, sort_keys=True) for s in shapes})
@@ -82,6 +85,14 @@ def _shape(value: Any, key: str | None = None) -> Any:
     if key in LITERAL_KEYS and not isinstance(value, (dict, list)):
         return value
     return {bool: "bool", int: "int", float: "float", str: "str", type(None): "null"}[type(value)]
+
+
+def _key_name(key: str) -> str:
+    """A JSON key as the golden file names it: a recorded HTTP answer's pin
+    (``http:<METHOD> <url> <body sha1>#<n>``) without the hub's port or any hash."""
+    if not key.startswith("http:"):
+        return key
+    return _HASH.sub("<sha>", _HUB_URL.sub("<hub>", key))
 
 
 def _value_shape(text: str) -> Any:

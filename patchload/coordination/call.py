@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Iterator
@@ -37,6 +38,7 @@ from .._logging import get_logger
 from .._topology import current_topology
 from . import protocol as _coordinate
 from . import rank0 as _rank0
+from . import replay as _replay
 from .key import Unrenderable, deciding_arguments, digest, process_state
 from .scope import download_scope
 from .store import job_store
@@ -74,9 +76,14 @@ class Mode:
             follower answers cache lookups that take no ``cache_dir`` (``file_exists``).
         local: the leader's fingerprints of the local paths among the call's arguments (it
             announces them with its files; see :func:`_local_paths`).
-        asked_offline: followers: the ``local_files_only`` the caller of the outermost
-            coordinated call asked for (its rerun passes True, and libraries pass that on to
-            the objects they build: :func:`_as_asked` undoes it in each).
+        asked_offline: followers on the offline path (``replayed`` False): the
+            ``local_files_only`` the caller of the outermost coordinated call asked for (its
+            rerun passes True, and libraries pass that on to the objects they build:
+            :func:`_as_asked` undoes it in each).
+        replayed: followers: the call's HTTP requests are answered from the leader's record
+            (:mod:`.replay`), so it runs with the caller's arguments; only its hub downloads
+            (``hf_hub_download``, ``snapshot_download``) are made offline. False where huggingface_hub's client is not ``httpx`` (0.x).
+        answers: followers with ``replayed``: the answers given so far (requests counted).
     """
 
     lead: bool
@@ -88,6 +95,10 @@ class Mode:
     cache_dir: str | os.PathLike[str] | None = None
     local: dict[str, Any] = field(default_factory=dict)
     asked_offline: bool = False
+    replayed: bool = False
+    answers: _replay.LeaderAnswers | None = None
+    pins_lock: threading.Lock = field(default_factory=threading.Lock, repr=False,
+                                      compare=False)
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -289,8 +300,12 @@ def add_pins(mode: Mode, pins: dict[str, Any]) -> None:
     which start at once, make each hub call from the cache once the leader's same call returned
     (:meth:`Mode.wait_pin`). A store failure only costs its followers that head start (they wait
     for its outcome instead); it never fails the leader's call."""
-    mode.pins.update(pins)
-    if mode.lead and mode.loads_model and pins:
+    # The call's worker threads add pins too (recorded answers): each publication holds all
+    # that were added before it.
+    with mode.pins_lock:
+        mode.pins.update(pins)
+        if not (mode.lead and mode.loads_model and pins):
+            return
         try:
             _coordinate.publish_pins(mode.call, mode.pins)
         except Exception as err:  # noqa: BLE001 - see the docstring
@@ -439,7 +454,11 @@ class _Coordinated:
              ) -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
         self.did = f"led it ({call.scope} scope)"
         mode = Mode(lead=True, call=call, loads_model=self.share is not None, local=self.local)
-        result = self._run(mode, self.lead_with or self.wrapped, self.kwargs)
+        # Its HTTP exchanges, published among its pins (a model load's at once).
+        record = _replay.Record(lambda key, entry: add_pins(mode, {key: entry})) \
+            if _replays() else None
+        with _replay.recording(record):
+            result = self._run(mode, self.lead_with or self.wrapped, self.kwargs)
         payload: dict[str, Any] = {}
         after = None
         if self.share is not None:
@@ -456,14 +475,23 @@ class _Coordinated:
         outer = _MODE.get()
         asked = outer.asked_offline if outer is not None and not outer.lead else bool(
             self.kwargs.get("local_files_only"))
+        replayed = _replays()
+        answers = _leader_answers(leader, self.what) if replayed else None
         mode = Mode(lead=False, call=call, leader=leader, loads_model=self.share is not None,
-                    cache_dir=self.kwargs.get("cache_dir"), asked_offline=asked)
+                    cache_dir=self.kwargs.get("cache_dir"), asked_offline=asked,
+                    replayed=replayed, answers=answers)
         rng = _rng_state()
-        kwargs = _offline(self.kwargs) if self.offline_kwarg else self.kwargs
+        if replayed and self.name not in _HUB_DOWNLOADS:  # as asked: see Mode.replayed
+            kwargs = self.kwargs
+        else:
+            kwargs = _offline(self.kwargs) if self.offline_kwarg else self.kwargs
         try:
             if self.local:
                 self._check_local(mode)
-            result = _as_asked(self._run(mode, self.wrapped, kwargs), mode.asked_offline)
+            with _replay.replaying(answers) if answers is not None else contextlib.nullcontext():
+                result = self._run(mode, self.wrapped, kwargs)
+            if not replayed:
+                result = _as_asked(result, mode.asked_offline)
             differences = _differences(mode.pins, mode.payload.get("pins", {}))
             if differences:
                 raise VerificationFailed("; ".join(differences[:3]))
@@ -491,7 +519,8 @@ class _Coordinated:
             if self.abandon is not None:
                 self.abandon(mode)  # e.g. a broadcast this rank is a member of
             return self._plain_after(call, role, err, rng)
-        self.did = f"followed rank {role.leader_rank}: no request" + _weights_note(mode)
+        self.did = f"followed rank {role.leader_rank}: {_requests_note(mode)}" + \
+            _weights_note(mode)
         return result
 
     def interrupted(self, call: _coordinate.Call, role: _coordinate.Role,
@@ -540,6 +569,35 @@ class _Coordinated:
         _set_rng_state(rng)  # the rerun may have drawn random numbers a plain call draws once
         with plain():
             return self.wrapped(*self.args, **self.kwargs)
+
+
+def _requests_note(mode: Mode) -> str:
+    """The follower's requests, for its INFO line: those its leader never made (sent to the
+    hub, as a plain rank sends them) and the answers it got from the leader's record."""
+    answers = mode.answers
+    if answers is None or not (answers.unrecorded or answers.answered):
+        return "no request"
+    made = f"{answers.unrecorded} request{'s' if answers.unrecorded != 1 else ''} the leader " \
+        "never made" if answers.unrecorded else "no request"
+    return f"{made}, {answers.answered} answered from its record"
+
+
+def _replays() -> bool:
+    """Whether this process's coordinated calls record (leader) and replay (followers) their
+    HTTP exchanges: huggingface_hub's client is ``httpx`` (>= 1)."""
+    try:
+        return _replay.recordable()
+    except ImportError:  # no huggingface_hub: nothing to record
+        return False
+
+
+def _leader_answers(leader: _coordinate.LeaderView, what: str) -> _replay.LeaderAnswers:
+    """A follower's answers from ``leader``'s record as it publishes it (among its pins)."""
+    def wait(key: str) -> None:
+        if not _NO_WAIT.get():  # a block holding a lock the leader takes: no wait
+            leader.wait_pin(key)
+
+    return _replay.LeaderAnswers(leader.pin, wait, what)
 
 
 def _weights_note(mode: Mode) -> str:
@@ -664,9 +722,12 @@ def _recorded(mode: Mode | None, name: str, args: tuple[Any, ...], kwargs: dict[
 
 def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:
-    """A patched call nested in a follower's coordinated call: made offline (and a hub
-    download recorded, to be verified against the leader's), once the leader's same call
-    returned (a model load's followers start at once: :meth:`Mode.wait_pin`). In a call whose
+    """A patched call nested in a follower's coordinated call: a hub download made offline
+    (files come from the cache the leader filled); any other call as it is where the call's
+    requests are replayed (``mode.replayed``: a revision resolution gets the leader's answer,
+    or its error), else offline; a hub download or revision recorded, to be verified against
+    the leader's;
+    once the leader's same call returned (a model load's followers start at once: :meth:`Mode.wait_pin`). In a call whose
     weights this rank loads alongside its leader (``used["alongside"]``), after the leader's
     outcome: the files the leader resolves after loading (a generation config) are in the cache
     only then."""
@@ -674,6 +735,8 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
         mode.payload  # noqa: B018 - waits for the outcome; raises the leader's failure
     elif name in _PINNED and not _IN_SNAPSHOT.get():
         mode.wait_pin(_pin_key(name, args, kwargs))
+    if mode.replayed and name not in _HUB_DOWNLOADS:  # its requests get the leader's answers
+        return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **kwargs))
     return _recorded(mode, name, args, kwargs,
                      lambda: _as_asked(wrapped(*args, **_offline(kwargs)), mode.asked_offline))
 

@@ -112,6 +112,38 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="<unk>", model_max_length=64)
 
 
+def mistral_style_tokenizer(folder: str | Path, *, words: int = 100_010) -> Path:
+    """Writes a tokenizer whose online and offline loads differ on transformers 5.x: a
+    word-level vocabulary of more than 100,000 entries (``<unk>``, then ``w0``, ``w1``, ...;
+    whitespace pre-tokenizer) saved beside a ``config.json`` of a Mistral model written by
+    transformers 4.x.
+
+    transformers 5.x checks such a tokenizer for Mistral's old regex: online it asks the hub's
+    ``model_info`` for a ``base_model:...mistralai`` tag (none here: the tokenizer is left as
+    it is); offline (``local_files_only=True``) it reads ``config.json``, finds a 4.x Mistral
+    config, warns, and with ``fix_mistral_regex=True`` puts a regex ``Split`` in front of the
+    pre-tokenizer (other ids).
+
+    Returns:
+        ``Path(folder)``.
+    """
+    import json
+
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(words)}}
+    backend = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(out)
+    config = {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+              "transformers_version": "4.46.0", "vocab_size": words + 1}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------

@@ -85,6 +85,7 @@ os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{_RANK}"
 import concurrent.futures  # noqa: E402
 import contextlib  # noqa: E402
 import hashlib  # noqa: E402
+import logging  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable  # noqa: E402
@@ -100,6 +101,9 @@ import transformers  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 SENTENCES = ["the first sentence is here .", "people write many words", "water is hot"]
+# Words of patchload.testing.models.mistral_style_tokenizer's vocabulary, split otherwise by the
+# regex transformers' Mistral fix puts in front of its pre-tokenizer.
+MISTRAL_SENTENCES = ["w7 w8", "Hello w12 w100000", " w3"]
 
 # Strings that legitimately differ between the two runs (their temporary directories, the hub's
 # port), replaced in everything recorded; nothing else is normalised.
@@ -269,9 +273,34 @@ def op_generation_config(step: dict[str, Any]) -> dict[str, Any]:
     return {"generation_config": jsonable(config.to_dict())}
 
 
+class _Warnings(logging.Handler):
+    """transformers' WARNING lines while a step runs (``warnings``: true)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(norm(record.getMessage()))
+
+
 def op_tokenizer(step: dict[str, Any]) -> dict[str, Any]:
-    tok = transformers.AutoTokenizer.from_pretrained(step["repo"], **_kwargs(step))
-    return {"class": type(tok).__name__, "input_ids": tok(SENTENCES)["input_ids"],
+    caught = _Warnings()
+    library = logging.getLogger("transformers")
+    if step.get("warnings"):
+        library.addHandler(caught)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(step["repo"], **_kwargs(step))
+    finally:
+        library.removeHandler(caught)
+    extra: dict[str, Any] = {}
+    if step.get("warnings"):
+        extra["warnings"] = caught.lines
+        backend = getattr(tok, "backend_tokenizer", None)
+        extra["pre_tokenizer"] = None if backend is None else \
+            json.loads(backend.to_str()).get("pre_tokenizer")
+        extra["mistral_ids"] = tok(MISTRAL_SENTENCES)["input_ids"]
+    return {**extra, "class": type(tok).__name__, "input_ids": tok(SENTENCES)["input_ids"],
             "len": len(tok), "special_tokens": jsonable(tok.special_tokens_map),
             "model_max_length": tok.model_max_length, "name_or_path": norm(tok.name_or_path),
             # what save_pretrained writes into tokenizer_config.json

@@ -1,0 +1,320 @@
+"""A leader's HTTP exchanges, recorded, and replayed to its followers.
+
+huggingface_hub (>= 1) sends every request through an ``httpx`` client (``httpx2`` for 2.x):
+``Client.send`` is patched here. Inside a leader's call that records (:func:`recording`), each
+non-streamed exchange (API calls, HEAD/metadata requests; not a file body, which a follower finds
+in the cache the leader filled) is recorded: the request (method, URL, body digest) and the
+response (status, headers, body), or the transport error. Inside a follower's call that replays
+(:func:`replaying`), each request is answered from its leader's record (:class:`Replay`).
+Elsewhere the patch passes every request straight through.
+
+huggingface_hub 0.x sends through ``requests``, whose exchanges are not seen here
+(:func:`recordable` is False): its callers keep their offline path.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import contextlib
+import contextvars
+import hashlib
+import sys
+import threading
+from typing import Any, Callable, Final, Iterator
+
+from .._logging import get_logger
+from .._patching import Patch
+
+__all__ = ["History", "HISTORY", "LeaderAnswers", "Record", "Replay", "ReplayMiss",
+           "answer_key", "current_replay", "http_patches", "recordable", "recording",
+           "is_answer", "recording_active", "replaying", "request_key"]
+
+logger = get_logger(__name__)
+
+# Response headers not replayed as recorded: the recorded body is already decoded, and its length
+# is set from it.
+_UNREPLAYED_HEADERS: Final = frozenset({"content-encoding", "transfer-encoding", "content-length"})
+_HTTP_PACKAGES: Final = ("httpx2", "httpx")
+_HISTORY_MAX_BYTES: Final = 4 << 20
+# A coordinated call's leader publishes each answer it records in the job's store: a response
+# body past this (a listing of many thousand files) is not recorded, and a follower that makes
+# the same request sends it to the hub itself.
+_MAX_ANSWER_BYTES: Final = 4 << 20
+# Where a coordinated call's leader publishes each recorded answer among its pins.
+_ANSWER_PREFIX: Final = "http:"
+
+# The leader's call: the exchanges recorded so far (None: not recording).
+_RECORDING: contextvars.ContextVar[list[dict[str, Any]] | Record | None] = contextvars.ContextVar(
+    "patchload_recording", default=None)
+# A follower's rerun: the leader's record it answers from (None: not replaying).
+_REPLAY: contextvars.ContextVar[Replay | LeaderAnswers | None] = contextvars.ContextVar(
+    "patchload_replay", default=None)
+
+
+class ReplayMiss(BaseException):
+    """A follower's rerun made a request its leader never made. A BaseException, so that the
+    library code in between (``except Exception``) cannot take it for a hub error and go on."""
+
+
+def request_key(request: Any) -> str:
+    """``<METHOD> <url> <body sha1>``: what a follower's request must equal to get the
+    leader's answer (headers differ per rank: the user agent names the rank)."""
+    try:
+        body = hashlib.sha1(request.content).hexdigest()
+    except Exception:  # noqa: BLE001 - a streaming body (an upload): never replayed
+        body = "stream"
+    return f"{request.method} {request.url} {body}"
+
+
+def _error_entry(err: BaseException) -> dict[str, str]:
+    return {"module": type(err).__module__, "qualname": type(err).__qualname__,
+            "message": str(err)}
+
+
+class History:
+    """The latest answer to each request this process's earlier coordinated calls made as a
+    leader (bounded, oldest dropped first). A leader answers some requests from what
+    ``HfFileSystem`` cached in an earlier call (a repo's existence, a listing), which its
+    followers may not have made (they followed a leader that failed); it publishes these with
+    its record, so that such a follower's rerun gets the answer the leader's cache holds."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._bytes = 0
+        self._max_bytes = max_bytes
+
+    def add(self, entries: list[dict[str, Any]]) -> None:
+        with self._lock:
+            for entry in entries:
+                old = self._entries.pop(entry["key"], None)
+                self._bytes += _entry_bytes(entry) - (_entry_bytes(old) if old else 0)
+                self._entries[entry["key"]] = entry
+            while self._bytes > self._max_bytes and self._entries:
+                self._bytes -= _entry_bytes(self._entries.pop(next(iter(self._entries))))
+
+    def except_for(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The earlier answers to requests that are not among ``entries``."""
+        keys = {entry["key"] for entry in entries}
+        with self._lock:
+            return [entry for key, entry in self._entries.items() if key not in keys]
+
+
+def _entry_bytes(entry: dict[str, Any]) -> int:
+    return len(entry.get("content", "")) + len(entry["key"]) + 64
+
+
+HISTORY: Final = History(_HISTORY_MAX_BYTES)
+
+
+class Replay:
+    """A leader's record, answering a follower's requests: the same request gets the leader's
+    answers in the order the leader got them (the last one again once they run out); a request
+    the leader answered from an earlier call's cache gets that earlier answer."""
+
+    def __init__(self, entries: list[dict[str, Any]],
+                 earlier: list[dict[str, Any]] | None = None) -> None:
+        self._answers: dict[str, collections.deque[dict[str, Any]]] = \
+            collections.defaultdict(collections.deque)
+        self._last: dict[str, dict[str, Any]] = {e["key"]: e for e in earlier or ()}
+        for entry in entries:
+            self._answers[entry["key"]].append(entry)
+        self.missed: str | None = None
+        self.answered = 0
+
+    def answer(self, request: Any, send: Callable[[], Any]) -> Any:
+        """The leader's response to ``request`` (an ``httpx`` request), or its transport error
+        raised again (``send`` is never called: a request the leader never made is a miss).
+
+        Raises:
+            ReplayMiss: the leader never made this request.
+        """
+        key = request_key(request)
+        queue = self._answers.get(key)
+        entry = queue.popleft() if queue else self._last.get(key)
+        if entry is None:
+            self.missed = key
+            raise ReplayMiss(f"the leader made no request {key.rsplit(' ', 1)[0]}")
+        self._last[key] = entry
+        self.answered += 1
+        return _response(entry, request, key)
+
+
+def answer_key(key: str, occurrence: int) -> str:
+    """The pin under which a coordinated call's leader publishes the answer to its
+    ``occurrence``-th (from 0) request :func:`request_key` ``key``."""
+    return f"{_ANSWER_PREFIX}{key}#{occurrence}"
+
+
+def is_answer(pin_key: str) -> bool:
+    """Whether a pin key names a recorded answer (:func:`answer_key`), not a hub file."""
+    return pin_key.startswith(_ANSWER_PREFIX)
+
+
+class Record(list):  # type: ignore[type-arg]
+    """A coordinated call's leader's record: each exchange appended (by :func:`_send`, from any
+    thread of the call) is handed to ``added`` with its :func:`answer_key` at once, so that a
+    model load's followers, which start at once, get it while the leader goes on. An answer
+    whose body is larger than :data:`_MAX_ANSWER_BYTES` is not handed on."""
+
+    def __init__(self, added: Callable[[str, dict[str, Any]], None]) -> None:
+        super().__init__()
+        self._added = added
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    def append(self, entry: dict[str, Any]) -> None:
+        with self._lock:
+            occurrence = self._counts[entry["key"]]
+            self._counts[entry["key"]] += 1
+            super().append(entry)
+        if len(entry.get("content", "")) <= _MAX_ANSWER_BYTES:
+            self._added(answer_key(entry["key"], occurrence), entry)
+
+
+class LeaderAnswers:
+    """A follower's answers from its leader's record, as the leader publishes it: the
+    ``n``-th request of a kind (:func:`request_key`) gets the leader's ``n``-th answer to it.
+    One the leader has not answered yet is waited for (``wait``: until the leader published it
+    or its outcome, bounded by ``PATCHLOAD_TIMEOUT``); one it never answered is sent to the hub
+    as a plain rank sends it (never guessed) and counted in :attr:`unrecorded`.
+
+    Args:
+        lookup: the leader's published answer under an :func:`answer_key`, or None; never
+            waits.
+        wait: waits until the leader published that answer or its outcome (returns at once
+            where this rank must not wait); raises the leader's failure.
+        what: the call, for the log line of a wait.
+    """
+
+    def __init__(self, lookup: Callable[[str], dict[str, Any] | None],
+                 wait: Callable[[str], None], what: str) -> None:
+        self._lookup = lookup
+        self._wait = wait
+        self._what = what
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self.answered = 0
+        self.unrecorded = 0
+
+    def answer(self, request: Any, send: Callable[[], Any]) -> Any:
+        """The leader's response to ``request``, its transport error raised again, or (a
+        request the leader never made) ``send()``."""
+        key = request_key(request)
+        with self._lock:
+            occurrence = self._counts[key]
+            self._counts[key] += 1
+        name = answer_key(key, occurrence)
+        entry = self._lookup(name)
+        if entry is None:
+            logger.debug("%s: waiting for the leader's answer to %s (#%d)", self._what,
+                         key.rsplit(" ", 1)[0], occurrence)
+            self._wait(name)
+            entry = self._lookup(name)
+        if entry is None:
+            with self._lock:
+                self.unrecorded += 1
+            logger.debug("%s: the leader made no request %s (#%d): sent to the hub", self._what,
+                         key.rsplit(" ", 1)[0], occurrence)
+            return send()
+        with self._lock:
+            self.answered += 1
+        return _response(entry, request, key)
+
+
+def _response(entry: dict[str, Any], request: Any, key: str) -> Any:
+    """The recorded response as the client library's own ``Response`` to ``request``, or the
+    recorded transport error raised again."""
+    package = sys.modules[type(request).__module__.partition(".")[0]]
+    if "error" in entry:
+        raise _rebuilt_error(entry["error"], request, key)
+    headers = [(name, value) for name, value in entry["headers"]
+               if name.lower() not in _UNREPLAYED_HEADERS]
+    return package.Response(entry["status"], headers=headers,
+                            content=base64.b64decode(entry["content"]), request=request)
+
+
+def _rebuilt_error(error: dict[str, str], request: Any, key: str) -> BaseException:
+    """The leader's transport error (a connection refused, a timeout), of its class."""
+    cls: Any = sys.modules.get(error["module"]) \
+        if error["module"].partition(".")[0] in _HTTP_PACKAGES else None
+    for part in error["qualname"].split("."):
+        cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        return ReplayMiss(f"the leader's request {key} raised {error['qualname']}, which "
+                          "cannot be rebuilt here")
+    try:
+        return cls(error["message"], request=request)
+    except TypeError:
+        return cls(error["message"])
+
+
+@contextlib.contextmanager
+def recording(record: list[dict[str, Any]] | Record | None) -> Iterator[None]:
+    """Record the block's HTTP exchanges into ``record`` (see the module docstring; None: do
+    not record them)."""
+    token = _RECORDING.set(record)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
+
+
+@contextlib.contextmanager
+def replaying(replay: Replay | LeaderAnswers | None) -> Iterator[None]:
+    """Answer the block's HTTP requests from ``replay`` (None: pass them through)."""
+    token = _REPLAY.set(replay)
+    try:
+        yield
+    finally:
+        _REPLAY.reset(token)
+
+
+def current_replay() -> Replay | LeaderAnswers | None:
+    """The replay answering this context's requests, or None."""
+    return _REPLAY.get()
+
+
+def _send(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> Any:
+    """``Client.send``: inside a follower's rerun, answered from its leader's record; inside a
+    leader's call, made and recorded (a streamed response, a file body, is not recorded: a
+    follower finds the file in the cache the leader filled); elsewhere passed through."""
+    replay = _REPLAY.get()
+    if replay is not None:
+        return replay.answer(kwargs["request"] if "request" in kwargs else args[0],
+                             lambda: wrapped(*args, **kwargs))
+    record = _RECORDING.get()
+    if record is None:
+        return wrapped(*args, **kwargs)
+    request = kwargs["request"] if "request" in kwargs else args[0]
+    key = request_key(request)
+    try:
+        response = wrapped(*args, **kwargs)
+    except Exception as err:
+        record.append({"key": key, "error": _error_entry(err)})
+        raise
+    if not kwargs.get("stream", False):
+        record.append({"key": key, "status": response.status_code,
+                       "headers": [list(item) for item in response.headers.multi_items()],
+                       "content": base64.b64encode(response.content).decode("ascii")})
+    return response
+
+
+def recordable() -> bool:
+    """huggingface_hub sends its requests through an ``httpx``/``httpx2`` client (1.x and 2.x;
+    0.x uses ``requests``, whose exchanges :func:`_send` does not see)."""
+    from huggingface_hub.utils import get_session
+
+    return type(get_session()).__module__.partition(".")[0] in _HTTP_PACKAGES
+
+
+def recording_active() -> bool:
+    """Whether this context records its HTTP exchanges (a leader's call)."""
+    return _RECORDING.get() is not None
+
+
+def http_patches() -> list[Patch]:
+    """The patches of the HTTP clients' ``Client.send`` that record and replay exchanges."""
+    return [Patch(f"{package}._client", "Client.send", _send) for package in _HTTP_PACKAGES]
