@@ -145,9 +145,11 @@ def main() -> int:
         print("no CUDA device: nothing to check (torch.cuda.is_available() is False)")
         return 0
     if args.device == "cuda":
+        nccl = torch.cuda.nccl.version()  # a tuple on recent torch, an int on older ones
         print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch "
               f"{torch.__version__}, CUDA {torch.version.cuda}, NCCL "
-              f"{'.'.join(map(str, torch.cuda.nccl.version()))}, {args.nproc} ranks", flush=True)
+              f"{'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}, "
+              f"{args.nproc} ranks", flush=True)
     rows, failures, log_lines = check(args.out.resolve(), nproc=args.nproc, device=args.device,
                                       echo=args.echo)
     from demo import measure
