@@ -32,9 +32,11 @@ working directories for each run) and put it in a group of ``tests/test_differen
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import enum
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -42,7 +44,7 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Final, Iterable
+from typing import Any, Callable, Final, Iterable, Iterator
 
 from _launch import WORKERS, Job, free_port, job_env, run_plain, run_processes, run_torchrun
 from patchload.testing import LoopbackHub, Request
@@ -165,6 +167,10 @@ class Group:
     """Every rank joins a gloo process group first (``init_process_group`` over torchrun's
     variables): for steps with ``dist_barrier``."""
     nodes: int = 0
+    busy_cores: bool = False
+    """Every run (plain and patched alike) runs while one busy-looping process per core
+    (``os.cpu_count()``, at this process's priority) competes with the ranks: see
+    :func:`busy_cores`."""
 
     def __post_init__(self) -> None:
         assert not (self.hosts and self.nodes), "simulated hosts or nodes, not both"
@@ -186,6 +192,25 @@ def _write_plan(run_root: Path, plan: dict[str, Any]) -> Path:
     path = run_root / "plan.json"
     path.write_text(json.dumps(plan, indent=1, sort_keys=True))
     return path
+
+
+@contextlib.contextmanager
+def busy_cores(count: int | None = None) -> Iterator[list[subprocess.Popen]]:
+    """Keep every core busy while the block runs: ``count`` (default ``os.cpu_count()``)
+    processes that loop forever, at the caller's priority, so the ranks' threads compete for
+    CPU time as on a loaded node (a follower's poll, the leader's heartbeat and a store wait all
+    get late). They are killed and reaped on the way out, whatever the block raised."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(count or os.cpu_count() or 1):
+            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                          stdin=subprocess.DEVNULL))
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def copy_cache(template: Path, home: Path) -> None:
@@ -244,15 +269,19 @@ class Harness:
         if group.process_group:
             plan["process_group"] = "gloo"
         env = job_env(self.hub.endpoint, homes[0], run_root / "out", **COMMON_ENV, **extra)
-        if group.hosts:
-            job = self._run_hosts(group, run_root, plan, env, homes)
-        else:
-            job = run_torchrun(self.hub, "differential", [str(_write_plan(run_root, plan))],
-                               nproc=group.nproc, env=env, timeout_s=JOB_TIMEOUT_S,
-                               nnodes=max(1, group.nodes),
-                               hosts="namespaced" if group.nodes else "shared-kernel")
+        with busy_cores() if group.busy_cores else contextlib.nullcontext():
+            job = self._launch(group, run_root, plan, env, homes)
         job.extra["side"] = side
         return job
+
+    def _launch(self, group: Group, run_root: Path, plan: dict[str, Any], env: dict[str, str],
+                homes: dict[int, Path]) -> Job:
+        if group.hosts:
+            return self._run_hosts(group, run_root, plan, env, homes)
+        return run_torchrun(self.hub, "differential", [str(_write_plan(run_root, plan))],
+                            nproc=group.nproc, env=env, timeout_s=JOB_TIMEOUT_S,
+                            nnodes=max(1, group.nodes),
+                            hosts="namespaced" if group.nodes else "shared-kernel")
 
     def _run_hosts(self, group: Group, run_root: Path, plan: dict[str, Any],
                    env: dict[str, str], homes: dict[int, Path]) -> Job:

@@ -1,7 +1,7 @@
 """Differential tests: every scenario run plain and patched; every rank must observe the same.
 
 The harness is ``tests/differential.py`` (what is compared, and how to add a scenario), the rank
-worker ``tests/workers/differential.py``. Four jobs hold every scenario of issues 11 and 30:
+worker ``tests/workers/differential.py``. These jobs hold every scenario of issues 11, 30 and 31:
 
 * ``per-rank-caches`` (3 ranks, each its own ``HF_HOME``): a stale commit in rank 2's cache, a
   cache missing an optional file (rank 1), cold caches (tokenizer and model);
@@ -19,7 +19,10 @@ worker ``tests/workers/differential.py``. Four jobs hold every scenario of issue
   ``local_dir=`` downloads where a commit-A folder sits under one node-local path on both nodes
   and in rank 3's own working directory, after ``main`` moved to commit B (issue 30 item 1);
   a Wav2Vec2 processor and a sentence-transformers model saved by every rank, byte for byte
-  (item 2: the tokenizers they build record the caller's ``local_files_only``).
+  (item 2: the tokenizers they build record the caller's ``local_files_only``);
+* ``contention`` (2 ranks, one ``HF_HOME``, every core kept busy by one busy-looping process per
+  core during the plain and the patched run alike; issue 31): a cold cache (tokenizer and a
+  sharded model) and a sentence-transformers model.
 
 Each group runs plain twice (``test_two_plain_runs_agree``: the harness is deterministic, so a
 difference under patchload is patchload's) and patched once per variant.
@@ -492,12 +495,24 @@ LOCAL_DIR = Scenario(
     setup=_local_dir_setup, per_run=_local_dir_run)
 
 
+def _sentence_transformer(ctx: SetupContext, repo: str, seed: int) -> None:
+    """Serve a sentence-transformers model (a tiny BERT and mean pooling) as ``repo``."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models as st_models
+
+    name = repo.replace("/", "--")
+    bert = _models().tiny_bert(ctx.assets / f"{name}-bert", seed=seed)
+    transformer = st_models.Transformer(str(bert))
+    model = SentenceTransformer(modules=[transformer, st_models.Pooling(
+        transformer.get_embedding_dimension())], device="cpu")
+    model.save(str(ctx.assets / name))
+    ctx.hub.add_repo(repo, ctx.assets / name)
+
+
 def _saved_setup(ctx: SetupContext) -> None:
     """A Wav2Vec2 processor (a CTC tokenizer of a character vocabulary and a feature extractor)
     and a sentence-transformers model (a tiny BERT and mean pooling)."""
     import transformers as tf
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers import models as st_models
 
     vocab = {c: i for i, c in enumerate(["<pad>", "<s>", "</s>", "<unk>", "|", *"abcdefghij"])}
     (ctx.assets / "w2v-vocab.json").write_text(json.dumps(vocab))
@@ -506,12 +521,7 @@ def _saved_setup(ctx: SetupContext) -> None:
         tokenizer=tf.Wav2Vec2CTCTokenizer(str(ctx.assets / "w2v-vocab.json")))
     processor.save_pretrained(ctx.assets / "w2v-processor")
     ctx.hub.add_repo("ld/wav2vec2", ctx.assets / "w2v-processor")
-    bert = _models().tiny_bert(ctx.assets / "st-bert", seed=42)
-    transformer = st_models.Transformer(str(bert))
-    model = SentenceTransformer(modules=[transformer, st_models.Pooling(
-        transformer.get_embedding_dimension())], device="cpu")
-    model.save(str(ctx.assets / "st-model"))
-    ctx.hub.add_repo("ld/sentence", ctx.assets / "st-model")
+    _sentence_transformer(ctx, "ld/sentence", seed=42)
 
 
 SAVED = Scenario(
@@ -596,6 +606,24 @@ SENTENCE = Scenario(
         {"name": "load", "op": "sentence_transformer", "repo": "rp/sentence"},
     ), Requests.ONE_PER_CACHE, setup=_sentence_setup)
 
+
+# --- under contention (issue 31) ------------------------------------------------------------------
+# The same kinds of job as ``cold`` and ``saved`` (own repos), in a shared cache, while every core
+# is kept busy (``Group.busy_cores``): a follower's waits and the leader's heartbeats run late,
+# yet followers still make no request and every rank equals plain.
+
+BUSY_COLD = Scenario(
+    "busy-cold", (
+        {"name": "tokenizer", "op": "tokenizer", "repo": "busy/cold"},
+        {"name": "model", "op": "model", "repo": "busy/cold"},
+    ), Requests.ONE_PER_CACHE, setup=_serve_llama("busy/cold", 50, max_shard_size="20KB"))
+
+BUSY_SENTENCE = Scenario(
+    "busy-sentence", (
+        {"name": "sentence-transformer", "op": "sentence_transformer", "repo": "busy/sentence"},
+    ), Requests.ONE_PER_CACHE,
+    setup=lambda ctx: _sentence_transformer(ctx, "busy/sentence", seed=51))
+
 GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("rank0-late", (LATE_RANK0, RANK1_ALONE), process_group=True),
@@ -611,6 +639,7 @@ GROUPS = (
                     # A transport of the tests' own, found as an installed package's entry point.
                     "copy": {"PATCHLOAD_TRANSPORT": "copy", "PYTHONPATH": _WITH_PLUGINS,
                              "PATCHLOAD_LOG_LEVEL": "INFO"}}),
+    Group("contention", (BUSY_COLD, BUSY_SENTENCE), nproc=2, busy_cores=True),
 )
 SCENARIOS = {s.name: (g, s) for g in GROUPS for s in g.scenarios}
 CASES = [pytest.param(g.name, v, s.name, id=f"{s.name}-{v}")
@@ -672,6 +701,20 @@ def test_comparison_catches_differences() -> None:
     found = record_diff({"attempts": [_attempt({})]}, {"attempts": [_attempt(error=error)]})
     assert found and "plain succeeded, patched failed" in found[0], found
     assert deep_diff({"a": [1, 2]}, {"a": [1, 2]}) == []
+
+
+@pytest.mark.timeout(60)
+def test_busy_cores_are_stopped_even_on_failure() -> None:
+    """The contention option starts one busy process per core and reaps them all, also when the
+    job in between raised."""
+    import os
+
+    from differential import busy_cores
+
+    with pytest.raises(RuntimeError), busy_cores() as procs:
+        assert len(procs) == os.cpu_count() and all(p.poll() is None for p in procs)
+        raise RuntimeError("the job failed")
+    assert all(p.returncode is not None for p in procs)
 
 
 # --- the scenarios ------------------------------------------------------------------------------
