@@ -787,7 +787,7 @@ def test_local_dir_pins_are_its_download_metadata(tmp_path):
 
 
 def test_call_keys_hold_the_process_state_that_decides_a_result(monkeypatch, tmp_path):
-    """Ranks that differ in hub endpoint, offline mode, credentials or (for a model load)
+    """Ranks that differ in hub endpoint, offline mode or (for a model load)
     inference mode, default dtype or default device never share a call: each part of :func:`process_state` follows its own
     setting, and the inference mode counts only for model loads."""
     import torch
@@ -820,13 +820,18 @@ def test_call_keys_hold_the_process_state_that_decides_a_result(monkeypatch, tmp
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert process_state(loads_model=True) == {**base, "__offline__": "True"}
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    # Credentials are no key part (.credentials decides what ranks with other ones share), but
+    # their digest follows the token file and HF_TOKEN, and never shows the token.
+    from patchload.coordination.key import credentials_digest
+
+    none = credentials_digest()
     (tmp_path / "token").write_text("hf_file\n")
-    by_file = process_state(loads_model=True)
+    by_file = credentials_digest()
     monkeypatch.setenv("HF_TOKEN", "hf_env")
-    by_env = process_state(loads_model=True)
-    credentials = {base["__credentials__"], by_file["__credentials__"], by_env["__credentials__"]}
-    assert len(credentials) == 3, credentials
-    assert "hf_env" not in repr(by_env) and "hf_file" not in repr(by_file)
+    by_env = credentials_digest()
+    assert process_state(loads_model=True) == base
+    assert len({none, by_file, by_env}) == 3, (none, by_file, by_env)
+    assert "hf_env" not in by_env and "hf_file" not in by_file
 
 
 def test_follower_exception_keeps_what_handlers_read():
