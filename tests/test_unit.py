@@ -972,3 +972,27 @@ def test_the_end_of_the_shared_copy_is_one_info_line(end, caplog):
             "view kept": ("converted to torch.bfloat16", 176)}[end]
         assert ended() == [f"{head} ({cause}): {nbytes} bytes copied out"]
         assert ended() == [f"{head} ({cause}): {nbytes} bytes copied out"]  # once
+
+
+def test_credentials_repos_of_pins_and_when_credentials_matter(monkeypatch):
+    """The repos a leader's pins name, each with a commit it resolved (file pins, revision
+    pins, ``local_dir`` pins; absent files name their repo with no commit), and the calls whose
+    credentials cannot change what they get (a token argument, offline)."""
+    from huggingface_hub import constants
+
+    from patchload.coordination.credentials import call_credentials, repos_of
+
+    pins = {"model:org/a:config.json": ["c1", "blob", 10],
+            "model:org/a:custom_generate/generate.py": None,
+            "model:org/b:@main": ["c2"],
+            "dataset:org/d:data/train.json": ["local_dir", [["data/train.json", "c3", "e", 4]]],
+            "model:org/e:missing.json": None}
+    assert repos_of(pins) == {("model", "org/a"): "c1", ("model", "org/b"): "c2",
+                              ("dataset", "org/d"): "c3", ("model", "org/e"): ""}
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert call_credentials({}) is not None and call_credentials({"token": True}) is not None
+    assert call_credentials({"token": "hf_x"}) is None  # the key holds its digest
+    assert call_credentials({"token": False}) is None
+    assert call_credentials({"local_files_only": True}) is None
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert call_credentials({}) is None
