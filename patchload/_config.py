@@ -101,7 +101,7 @@ class Config:
     scope to reach a call when rank 0 is alive, behind (it has not reached that point of its
     sequence of calls) and not blocked in a collective of the user's; then it claims (and
     leads) the call itself. Never waited out on the common path: a rank 0 that passed the
-    call by, is blocked in a collective, exited, or whose cache, token or endpoint differs, is
+    call by, is blocked in a collective, exited, or whose cache or endpoint differs, is
     known at once (see :mod:`patchload.coordination.rank0`). 0: nobody waits; the first rank
     to claim a call leads it."""
     exit_wait_s: float = 60.0

@@ -436,17 +436,71 @@ RANK1_ALONE = Scenario(
 
 
 def _tokens_run(ctx: RunContext) -> None:
+    """A token per rank (``HF_TOKEN=hf_rank<r>token``); the ``one-token`` variant's ranks share
+    one, the same job with one token to compare times with."""
     for rank in range(ctx.world_size):
-        ctx.per_rank[rank]["env"]["HF_TOKEN"] = f"hf_rank{rank}token"
+        token = "hf_onetoken" if ctx.run_root.name == "one-token" else f"hf_rank{rank}token"
+        ctx.per_rank[rank]["env"]["HF_TOKEN"] = token
 
 
-# A different HF_TOKEN per rank: no rank shares a call with another, none waits for rank 0.
+def _tokens_setup(ctx: SetupContext) -> None:
+    _llama(ctx, "tokens/llama", seed=33)
+    _llama(ctx, "tokens/sharded", seed=34, max_shard_size="20KB")
+
+
+# A different HF_TOKEN per rank on public repos: a Trainer-style job (config, tokenizer, model, a
+# training step) and a cold-cache sharded model and its tokenizer. Rank 0 leads every call, the
+# followers make no request (the repos are public: one anonymous request of rank 0 shows it).
 PER_RANK_TOKENS = Scenario(
     "per-rank-tokens", (
         {"name": "config", "op": "config", "repo": "tokens/llama"},
         {"name": "tokenizer", "op": "tokenizer", "repo": "tokens/llama"},
         {"name": "model", "op": "model", "repo": "tokens/llama"},
-    ), Requests.TOTAL, setup=_serve_llama("tokens/llama", 33), per_run=_tokens_run)
+        {"name": "train", "op": "train", "repo": "tokens/llama", "kwargs": {"dtype": "float32"}},
+    ), Requests.ONE_PER_CACHE, setup=_tokens_setup, per_run=_tokens_run)
+
+TOKENS_COLD = Scenario(
+    "tokens-cold", (
+        {"name": "model", "op": "model", "repo": "tokens/sharded"},
+        {"name": "tokenizer", "op": "tokenizer", "repo": "tokens/sharded"},
+    # TOTAL, not ONE_PER_CACHE: a tokenizer's followers still make the hub API calls inside it
+    # (model_info, tree listings) with one token too, until the leader's answers are replayed.
+    ), Requests.TOTAL)
+
+# Rank 0's token reads the gated and the private repo, ranks 1 and 2 share another token that
+# reads neither (and the one repo rank 0's cannot read). Ranks 1 and 2 start once rank 0's call
+# ended (plain: they find its files in the cache, as huggingface_hub falls back on a cached file
+# on a 401/403; with force_download they raise). Patched, they never take rank 0's result: the
+# two of them make the call among themselves.
+_READER, _OTHER = "hf_reader", "hf_other"
+
+
+def _gated_setup(ctx: SetupContext) -> None:
+    _llama(ctx, "gated/warm", seed=35, with_tokenizer=False)
+    for repo, seed, access, tokens in (("gated/llama", 36, "gated", [_READER]),
+                                       ("gated/private", 37, "private", [_READER]),
+                                       ("gated/theirs", 38, "gated", [_OTHER])):
+        _llama(ctx, repo, seed=seed, with_tokenizer=False)
+        ctx.hub.restrict(repo, access=access, tokens=tokens)
+
+
+def _gated_run(ctx: RunContext) -> None:
+    for rank in range(ctx.world_size):
+        ctx.per_rank[rank]["env"]["HF_TOKEN"] = _READER if rank == 0 else _OTHER
+
+
+_FORCED = {"op": "hf_hub_download", "filenames": ["config.json"],
+           "kwargs": {"force_download": True}, "gate": "rank0_first"}
+GATED = Scenario(
+    "gated", (
+        # every rank's credentials are reported before the gated calls (rank 0 then asks)
+        {"name": "warm", "op": "config", "repo": "gated/warm"},
+        {"name": "config", "op": "config", "repo": "gated/llama", "gate": "rank0_first"},
+        {"name": "model", "op": "model", "repo": "gated/llama", "gate": "rank0_first"},
+        {"name": "forced", "repo": "gated/llama", **_FORCED},
+        {"name": "private-forced", "repo": "gated/private", **_FORCED},
+        {"name": "theirs", "op": "config", "repo": "gated/theirs", "gate": "rank0_first"},
+    ), Requests.TOTAL, setup=_gated_setup, per_run=_gated_run, extra_requests=1)
 
 # --- local_dir downloads and saved objects: two namespaced nodes, one shared HF_HOME (job scope) --
 
@@ -627,7 +681,9 @@ BUSY_SENTENCE = Scenario(
 GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("rank0-late", (LATE_RANK0, RANK1_ALONE), process_group=True),
-    Group("per-rank-tokens", (PER_RANK_TOKENS,)),
+    Group("per-rank-tokens", (PER_RANK_TOKENS, TOKENS_COLD),
+          variants={"shm": {}, "one-token": {}}),
+    Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE), nproc=4),
     Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
     Group("local-dir", (LOCAL_DIR, SAVED), homes="shared", nproc=2, nodes=2,
@@ -846,21 +902,63 @@ def test_a_call_rank0_never_makes_waits_nothing_while_rank0_is_in_a_barrier(
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_per_rank_tokens_wait_for_nobody_and_rank0_warns_once(harness: Harness) -> None:
-    """A different HF_TOKEN per rank: every call on every rank takes at most 1 s longer than
-    plain (no rank waits for rank 0, whose key it can never share), and rank 0 logs one WARNING
-    naming the ranks whose credentials differ."""
-    plain = harness.side("per-rank-tokens", "plain")
+def test_per_rank_tokens_share_public_repos_and_rank0_warns_once(harness: Harness) -> None:
+    """A different HF_TOKEN per rank on public repos: followers make no more requests than with
+    one token (none in the Trainer-style job), every call on every rank takes at most 1 s longer
+    than the same job with one token, and rank 0 logs one WARNING naming the ranks whose
+    credentials differ (none with one token)."""
     patched = harness.side("per-rank-tokens", "shm")
-    slow = {(rank, step): (round(_call_s(plain, rank, step), 2),
+    one = harness.side("per-rank-tokens", "one-token")
+    steps = PER_RANK_TOKENS.step_names() + TOKENS_COLD.step_names()
+    for step in steps:  # followers: none with a token per rank where none with one token
+        got, want = requests_per_rank(patched, step), requests_per_rank(one, step)
+        assert all(got[rank] <= want.get(rank, 0) for rank in got if rank != 0), (step, got,
+                                                                                  want)
+    slow = {(rank, step): (round(_call_s(one, rank, step), 2),
                            round(_call_s(patched, rank, step), 2))
-            for rank in range(3) for step in PER_RANK_TOKENS.step_names()
-            if _call_s(patched, rank, step) > _call_s(plain, rank, step) + 1.0}
+            for rank in range(3) for step in steps
+            if _call_s(patched, rank, step) > _call_s(one, rank, step) + 1.0}
     assert slow == {}, slow
     log = "\n".join(patched.outputs)
     warnings = [line for line in log.splitlines() if "use other hub credentials" in line]
     assert len(warnings) == 1 and "[rank 0/3]" in warnings[0] \
         and "ranks [1, 2]" in warnings[0], warnings
+    assert "use other hub credentials" not in "\n".join(one.outputs)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_gated_and_private_repos_are_never_shared_across_credentials(harness: Harness) -> None:
+    """Rank 0 alone may read the gated and the private repo: ranks 1 and 2 never take its
+    result (not one byte of those repos comes to them from the hub or from rank 0: every
+    answer they get for them is a 401/403/404, and no weights of rank 0's are mapped), they
+    raise the plain error class where plain raises (``ValueError`` caused by the 403 under
+    ``force_download``), and the two of them share among themselves (one of them makes the
+    requests)."""
+    plain, patched = harness.side("gated", "plain"), harness.side("gated", "shm")
+    restricted = ("gated/llama", "gated/private")
+    for rank in (1, 2):
+        got = [r for r in patched.requests if r.rank == rank and r.repo_id in restricted
+               and "/resolve/" in r.path]  # a gated repo's info is public, its files are not
+        assert got and all(r.status in (401, 403, 404) for r in got), got
+        steps = patched.ranks[rank]["steps"]
+        for step in ("gated/forced", "gated/private-forced"):
+            (attempt,) = steps[step]["attempts"]
+            assert not attempt["ok"] and attempt["error"]["type"] == "ValueError", attempt
+        assert steps["gated/forced"]["attempts"][0]["error"]["message"] == \
+            plain.ranks[rank]["steps"]["gated/forced"]["attempts"][0]["error"]["message"]
+    for step in ("gated/config", "gated/model"):  # one of them leads, the other follows
+        per_rank = requests_per_rank(patched, step)
+        assert min(per_rank.get(1, 0), per_rank.get(2, 0)) == 0, (step, per_rank)
+    for step in GATED.step_names()[1:]:  # rank 0 first: its one anonymous request, at most
+        assert requests_per_rank(patched, step).get(0, 0) <= \
+            requests_per_rank(plain, step).get(0, 0) + 1, step
+    lines = "\n".join(patched.outputs).splitlines()
+    taken = [line for line in lines if ("[rank 1/3]" in line or "[rank 2/3]" in line)
+             and "followed rank 0" in line and any(repo in line for repo in restricted)]
+    assert taken == [], taken
+    own = [line for line in lines if ("[rank 1/3]" in line or "[rank 2/3]" in line)
+           and "gated/llama" in line and "among the ranks with its hub credentials" in line]
+    assert len(own) >= 4, "\n".join(lines)  # config and model on both ranks
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

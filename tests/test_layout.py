@@ -112,6 +112,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.coordination.beats": COORDINATION,
     "patchload.coordination.call": COORDINATION,
     "patchload.coordination.calls": COORDINATION,
+    "patchload.coordination.credentials": COORDINATION,
     "patchload.coordination.followers": COORDINATION,
     "patchload.coordination.identity": COORDINATION,
     "patchload.coordination.key": COORDINATION,

@@ -534,3 +534,59 @@ def test_dataset_repo_serves_what_the_datasets_client_asks(tmp_path: Path) -> No
     # Only files the repo lacks are 404 (the client probes for a card, scripts, metadata).
     assert all(r.status in (200, 206) or "/resolve/" in r.path for r in requests), \
         [(r.method, r.path, r.status) for r in requests if r.status not in (200, 206)]
+
+
+@pytest.mark.timeout(90)
+def test_gated_and_private_repos_honour_the_bearer_token(hub: LoopbackHub, folders: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    """A gated repo: its info is public (``gated``), its files answer 401 without a token and
+    403 with another (``GatedRepoError`` both); a private repo: hidden from anonymous clients
+    (401) and other tokens (404) alike (``RepositoryNotFoundError``); the token given reads both,
+    as the real hub answers."""
+    hub.add_repo("org/gated", folders[LLAMA])
+    hub.add_repo("org/private", folders[LLAMA])
+    hub.restrict("org/gated", access="gated", tokens=["hf_ok"])
+    hub.restrict("org/private", access="private", tokens=["hf_ok"])
+    result = _client(hub, tmp_path / "home", """
+        def main():
+            from huggingface_hub import HfApi, hf_hub_download
+            import tempfile
+            out = {}
+            for repo in ("org/gated", "org/private"):
+                for token in (False, "hf_other", "hf_ok"):
+                    for what, call in (
+                            ("file", lambda: hf_hub_download(  # an empty cache each time
+                                repo, "config.json", token=token, cache_dir=tempfile.mkdtemp())),
+                            ("info", lambda: HfApi().model_info(repo, token=token))):
+                        try:
+                            value = call()
+                        except Exception as err:
+                            value = [c.__name__ for c in type(err).__mro__][:1] + [str(err)]
+                        else:
+                            value = ("file" if what == "file"
+                                     else {"gated": value.gated, "private": value.private})
+                        out[f"{repo} {token} {what}"] = value
+            return out
+    """)
+    assert result["ok"], result
+    out = result["value"]
+    assert out["org/gated False info"] == {"gated": "manual", "private": False}, out
+    assert out["org/gated hf_other info"] == {"gated": "manual", "private": False}, out
+    assert out["org/gated hf_ok file"] == "file" and out["org/private hf_ok file"] == "file", out
+    assert out["org/private hf_ok info"] == {"gated": False, "private": True}, out
+    assert out["org/gated False file"][0] == "GatedRepoError", out
+    assert "Please log in" in out["org/gated False file"][1], out
+    assert out["org/gated hf_other file"][0] == "GatedRepoError", out
+    assert "not in the authorized list" in out["org/gated hf_other file"][1], out
+    for token in ("False", "hf_other"):
+        for what in ("file", "info"):
+            assert out[f"org/private {token} {what}"][0] == "RepositoryNotFoundError", out
+    statuses = {}
+    for request in hub.requests():
+        if request.repo_id in ("org/gated", "org/private"):
+            statuses.setdefault((request.repo_id, request.path.startswith("/api/")),
+                                []).append(request.status)
+    assert statuses[("org/gated", False)] == [401, 403, 200, 200], statuses  # HEAD, HEAD, HEAD+GET
+    assert statuses[("org/gated", True)] == [200, 200, 200], statuses
+    assert statuses[("org/private", False)] == [401, 404, 200, 200], statuses
+    assert statuses[("org/private", True)] == [401, 404, 200], statuses

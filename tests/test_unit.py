@@ -860,7 +860,7 @@ def test_local_dir_pins_are_its_download_metadata(tmp_path):
 
 
 def test_call_keys_hold_the_process_state_that_decides_a_result(monkeypatch, tmp_path):
-    """Ranks that differ in hub endpoint, offline mode, credentials or (for a model load)
+    """Ranks that differ in hub endpoint, offline mode or (for a model load)
     inference mode, default dtype or default device never share a call: each part of :func:`process_state` follows its own
     setting, and the inference mode counts only for model loads."""
     import torch
@@ -893,13 +893,18 @@ def test_call_keys_hold_the_process_state_that_decides_a_result(monkeypatch, tmp
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert process_state(loads_model=True) == {**base, "__offline__": "True"}
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    # Credentials are no key part (.credentials decides what ranks with other ones share), but
+    # their digest follows the token file and HF_TOKEN, and never shows the token.
+    from patchload.coordination.key import credentials_digest
+
+    none = credentials_digest()
     (tmp_path / "token").write_text("hf_file\n")
-    by_file = process_state(loads_model=True)
+    by_file = credentials_digest()
     monkeypatch.setenv("HF_TOKEN", "hf_env")
-    by_env = process_state(loads_model=True)
-    credentials = {base["__credentials__"], by_file["__credentials__"], by_env["__credentials__"]}
-    assert len(credentials) == 3, credentials
-    assert "hf_env" not in repr(by_env) and "hf_file" not in repr(by_file)
+    by_env = credentials_digest()
+    assert process_state(loads_model=True) == base
+    assert len({none, by_file, by_env}) == 3, (none, by_file, by_env)
+    assert "hf_env" not in by_env and "hf_file" not in by_file
 
 
 def test_follower_exception_keeps_what_handlers_read():
@@ -1040,3 +1045,27 @@ def test_the_end_of_the_shared_copy_is_one_info_line(end, caplog):
             "view kept": ("converted to torch.bfloat16", 176)}[end]
         assert ended() == [f"{head} ({cause}): {nbytes} bytes copied out"]
         assert ended() == [f"{head} ({cause}): {nbytes} bytes copied out"]  # once
+
+
+def test_credentials_repos_of_pins_and_when_credentials_matter(monkeypatch):
+    """The repos a leader's pins name, each with a commit it resolved (file pins, revision
+    pins, ``local_dir`` pins; absent files name their repo with no commit), and the calls whose
+    credentials cannot change what they get (a token argument, offline)."""
+    from huggingface_hub import constants
+
+    from patchload.coordination.credentials import call_credentials, repos_of
+
+    pins = {"model:org/a:config.json": ["c1", "blob", 10],
+            "model:org/a:custom_generate/generate.py": None,
+            "model:org/b:@main": ["c2"],
+            "dataset:org/d:data/train.json": ["local_dir", [["data/train.json", "c3", "e", 4]]],
+            "model:org/e:missing.json": None}
+    assert repos_of(pins) == {("model", "org/a"): "c1", ("model", "org/b"): "c2",
+                              ("dataset", "org/d"): "c3", ("model", "org/e"): ""}
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert call_credentials({}) is not None and call_credentials({"token": True}) is not None
+    assert call_credentials({"token": "hf_x"}) is None  # the key holds its digest
+    assert call_credentials({"token": False}) is None
+    assert call_credentials({"local_files_only": True}) is None
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert call_credentials({}) is None

@@ -36,10 +36,11 @@ from .. import _state
 from .._errors import LeaderInterruptedError
 from .._logging import get_logger
 from .._topology import current_topology
+from . import credentials as _credentials
 from . import protocol as _coordinate
 from . import rank0 as _rank0
 from . import replay as _replay
-from .key import Unrenderable, deciding_arguments, digest, process_state
+from .key import Unrenderable, credentials_digest, deciding_arguments, digest, process_state
 from .scope import download_scope
 from .store import job_store
 
@@ -82,7 +83,8 @@ class Mode:
             :func:`_as_asked` undoes it in each).
         replayed: followers: the call's HTTP requests are answered from the leader's record
             (:mod:`.replay`), so it runs with the caller's arguments; only its hub downloads
-            (``hf_hub_download``, ``snapshot_download``) are made offline. False where huggingface_hub's client is not ``httpx`` (0.x).
+            (``hf_hub_download``, ``snapshot_download``) are made offline. False where
+            huggingface_hub's client is not ``httpx`` (0.x).
         answers: followers with ``replayed``: the answers given so far (requests counted).
     """
 
@@ -447,6 +449,11 @@ class _Coordinated:
     offline_kwarg: bool = True
     local: dict[str, Any] = dataclasses.field(default_factory=dict)
     abandon: Callable[[Mode], None] | None = None
+    credentials: str | None = None
+    """The digest of the credentials the call sends, where they may change what it gets
+    (:func:`.credentials.call_credentials`); None: they cannot (or the key holds them)."""
+    source: tuple[str, str] | None = None
+    """``(repo type, repo id)`` the call names, if a hub repo."""
     did: str = "made the call"
     """What this rank did, for its INFO line."""
 
@@ -459,6 +466,9 @@ class _Coordinated:
             if _replays() else None
         with _replay.recording(record):
             result = self._run(mode, self.lead_with or self.wrapped, self.kwargs)
+        if self.credentials is not None:  # ranks with other credentials: are its repos public?
+            with plain():
+                _credentials.publish_verdicts(call, self.credentials, mode.pins)
         payload: dict[str, Any] = {}
         after = None
         if self.share is not None:
@@ -480,6 +490,11 @@ class _Coordinated:
         mode = Mode(lead=False, call=call, leader=leader, loads_model=self.share is not None,
                     cache_dir=self.kwargs.get("cache_dir"), asked_offline=asked,
                     replayed=replayed, answers=answers)
+        why = self._unshared(call, role.leader_rank, leader.payload)
+        if why is not None:
+            if self.abandon is not None and _leader_succeeded(mode):
+                self.abandon(mode)  # e.g. a broadcast this rank is a member of
+            return self.own_credentials(call, why)
         rng = _rng_state()
         if replayed and self.name not in _HUB_DOWNLOADS:  # as asked: see Mode.replayed
             kwargs = self.kwargs
@@ -521,6 +536,47 @@ class _Coordinated:
             return self._plain_after(call, role, err, rng)
         self.did = f"followed rank {role.leader_rank}: {_requests_note(mode)}" + \
             _weights_note(mode)
+        return result
+
+    def _unshared(self, call: _coordinate.Call, leader_rank: int,
+                  payload: Callable[[], dict[str, Any]] | None) -> str | None:
+        """Why this follower must not take the result of ``leader_rank``, whose credentials
+        differ from its own (:func:`.credentials.unshareable`), or None. ``payload`` waits for
+        the leader's (None: it failed); asked only where the credentials differ."""
+        if self.credentials is None:
+            return None
+
+        def pins() -> dict[str, Any] | None:
+            if payload is None:
+                return None
+            try:
+                return payload().get("pins", {})
+            except Exception:  # noqa: BLE001 - its failure is not taken across credentials
+                return None
+
+        try:
+            with plain():
+                return _credentials.unshareable(call, leader_rank, self.credentials, pins,
+                                                self.source)
+        except Exception as err:  # noqa: BLE001 - a store failure: take nothing across them
+            return f"whether rank {leader_rank}'s credentials are this rank's is unknown ({err})"
+
+    def own_credentials(self, call: _coordinate.Call, why: str) -> Any:
+        """The call among the ranks of its scope with this rank's credentials (the key holds
+        their digest; the first of them to claim leads, as rank 0 may not be one of them),
+        where the leader of ``call`` has other credentials and ``why`` says it may not share
+        its result (a gated or private repo, a failure)."""
+        logger.info("%s: not taking the result of a leader with other hub credentials (%s): "
+                    "the ranks with this rank's credentials make the call among themselves",
+                    call.prefix(), why)
+        own = dataclasses.replace(call, key=f"{call.base}credentials-{self.credentials}/",
+                                  attempt=None, placement=None,
+                                  config=dataclasses.replace(call.config, claim_grace_s=0.0))
+        one = dataclasses.replace(self, credentials=None, lead_with=None, did="made the call")
+        result = _coordinate.leader_first(own, one.lead, one.follow,
+                                          early=self.share is not None,
+                                          interrupted=one.interrupted)
+        self.did = f"{one.did}, among the ranks with its hub credentials ({why})"
         return result
 
     def interrupted(self, call: _coordinate.Call, role: _coordinate.Role,
@@ -690,13 +746,29 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         except Unrenderable:
             deciding = {}
     one = _Coordinated(name, wrapped, args, kwargs, what, share, settle, lead_with,
-                       offline_kwarg, _local_paths(deciding), abandon)
-    # A model load's followers build their model while the leader loads; they wait for its
-    # weights (the outcome) when they need them.
+                       offline_kwarg, _local_paths(deciding), abandon,
+                       _credentials.call_credentials(kwargs), _source_repo(name, args, kwargs))
+
+    def run() -> Any:
+        # A model load's followers build their model while the leader loads; they wait for its
+        # weights (the outcome) when they need them.
+        try:
+            return _coordinate.leader_first(call, one.lead, one.follow, early=share is not None,
+                                            idle=idle, interrupted=one.interrupted)
+        except Exception as err:
+            # A follower that waited for the outcome raises its leader's error before its own
+            # part: not across credentials (one that started at once decided in follow()).
+            leader_rank = getattr(err, "leader_rank", None)
+            if (one.credentials is None or leader_rank is None
+                    or getattr(err, "_patchload_original", None) is None):
+                raise
+            why = one._unshared(call, leader_rank, None)
+            if why is None:
+                raise
+            return one.own_credentials(call, why)
+
     start = time.monotonic()
-    result = _recorded(mode, name, args, kwargs, lambda: _coordinate.leader_first(
-        call, one.lead, one.follow, early=share is not None, idle=idle,
-        interrupted=one.interrupted))
+    result = _recorded(mode, name, args, kwargs, run)
     if mode is None:  # one line per rank per top-level call
         logger.info("%s %s: %s, in %.2f s", call.prefix(), what, one.did,
                     time.monotonic() - start)
@@ -726,8 +798,8 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
     (files come from the cache the leader filled); any other call as it is where the call's
     requests are replayed (``mode.replayed``: a revision resolution gets the leader's answer,
     or its error), else offline; a hub download or revision recorded, to be verified against
-    the leader's;
-    once the leader's same call returned (a model load's followers start at once: :meth:`Mode.wait_pin`). In a call whose
+    the leader's; once the leader's same call returned (a model load's followers start at once:
+    :meth:`Mode.wait_pin`). In a call whose
     weights this rank loads alongside its leader (``used["alongside"]``), after the leader's
     outcome: the files the leader resolves after loading (a generation config) are in the cache
     only then."""
@@ -788,7 +860,24 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     # from rank 0's never waits for it (a call with a cache of its own: only that cache).
     facts = {part: deciding[part] for part in _rank0.FACTS if part in deciding
              and not (part == "__cache__" and kwargs.get("cache_dir"))}
+    # Not a key part (ranks with other credentials share what any credentials can fetch):
+    # published by rank 0 and reported by every rank (.credentials).
+    facts["__credentials__"] = credentials_digest()
     return _rank0.place(call, nested=nested, facts=facts), deciding
+
+
+def _source_repo(name: str, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[str, str] | None:
+    """``(repo type, repo id)`` of the hub repo a call names (its first string argument or
+    ``repo_id``, when that is not a local path), or None."""
+    source = kwargs.get("repo_id", kwargs.get("pretrained_model_name_or_path"))
+    if source is None:
+        source = next((a for a in args if isinstance(a, (str, os.PathLike))), None)
+    if not isinstance(source, str) or not source or os.path.exists(source) \
+            or source.count("/") > 1:
+        return None
+    repo_type = kwargs.get("repo_type") or ("dataset" if "load_dataset" in name else "model")
+    return str(repo_type), source
 
 
 def _repo_folder(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

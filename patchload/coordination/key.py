@@ -30,7 +30,8 @@ import os
 import re
 from typing import Any, Callable, Final
 
-__all__ = ["DOWNLOAD_DIRS", "Unrenderable", "deciding_arguments", "digest", "process_state"]
+__all__ = ["DOWNLOAD_DIRS", "Unrenderable", "credentials_digest", "deciding_arguments", "digest",
+           "process_state"]
 
 _MAX_ITEMS: Final = 100_000
 _MAX_CHARS: Final = 1_000_000
@@ -219,18 +220,11 @@ def _secret_digest(token: Any) -> str:
     return hashlib.sha256(repr(token).encode()).hexdigest()[:16]
 
 
-def process_state(*, loads_model: bool) -> dict[str, str]:
-    """What decides a call's result besides its arguments and may differ from rank to rank, as
-    key parts: the hub endpoint (``HF_ENDPOINT``, a mirror on some ranks), offline mode
-    (``HF_HUB_OFFLINE``), the credentials huggingface_hub sends by default (``HF_TOKEN`` or the
-    token file, by hash only), and for a model load whether it runs inside
-    ``torch.inference_mode()`` (tensors made on the calling thread are inference tensors then)
-    and torch's default dtype and device (transformers 4 builds a model without ``torch_dtype``
-    in the default dtype).
-
-    Ranks that differ in one of them never share a call: each gets what its own plain call gets.
-    Never raises (an unreadable token file counts as no token).
-    """
+def credentials_digest() -> str:
+    """The digest (never the token) of the credentials huggingface_hub sends by default:
+    ``HF_TOKEN`` (or ``HUGGING_FACE_HUB_TOKEN``), else the token file. Not part of a call's key:
+    ranks with other credentials share a call where any credentials could fetch what it got
+    (:mod:`.credentials`). Never raises (an unreadable token file counts as no token)."""
     from huggingface_hub import constants
 
     token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
@@ -240,9 +234,24 @@ def process_state(*, loads_model: bool) -> dict[str, str]:
                 token = f.read().strip() or None
         except (OSError, ValueError):
             token = None
+    return _secret_digest(token)
+
+
+def process_state(*, loads_model: bool) -> dict[str, str]:
+    """What decides a call's result besides its arguments and may differ from rank to rank, as
+    key parts: the hub endpoint (``HF_ENDPOINT``, a mirror on some ranks), offline mode
+    (``HF_HUB_OFFLINE``), and for a model load whether it runs inside
+    ``torch.inference_mode()`` (tensors made on the calling thread are inference tensors then)
+    and torch's default dtype and device (transformers 4 builds a model without ``torch_dtype``
+    in the default dtype).
+
+    Ranks that differ in one of them never share a call: each gets what its own plain call gets.
+    The default credentials are not among them (:func:`credentials_digest`). Never raises.
+    """
+    from huggingface_hub import constants
+
     state = {"__endpoint__": constants.ENDPOINT,
-             "__offline__": str(bool(constants.HF_HUB_OFFLINE)),
-             "__credentials__": _secret_digest(token)}
+             "__offline__": str(bool(constants.HF_HUB_OFFLINE))}
     if loads_model:
         import torch
 

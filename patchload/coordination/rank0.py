@@ -24,7 +24,8 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    calls) that it waits as a follower of another rank's call, and at exit that it exited. A
    waiting rank claims at once when rank 0 is blocked, following (nested calls), exited or gone
    (same node: its pid), or when its own key holds a process-level part that differs from rank
-   0's (another cache, token, endpoint: rank 0 can never make that key). Waits are sliced
+   0's (another cache or endpoint: rank 0 can never make that key; credentials are not part
+   of a key, see :mod:`.credentials`). Waits are sliced
    (0.5 s), reading that state between slices: about 4 store requests per second per waiting
    rank, only while rank 0 is behind.
 4. **Fallback.** A rank 0 that is alive, behind and not blocked is waited for at most
@@ -33,7 +34,8 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    to claim a call leads it.
 
 Global rank 0 also logs one WARNING per job naming the ranks whose hub credentials differ from
-its own (each rank appends its credentials digest, never the token, to one store key).
+its own (each rank appends its credentials digest, never the token, to one store key, which
+:mod:`.credentials` reads to decide what a rank may take from a leader with other credentials).
 
 Collectives that torch.compile traces (``all_reduce``, ``all_gather``, ``all_gather_into_tensor``,
 ``reduce_scatter_tensor``, ``all_to_all_single``, the p2p ``isend``/``irecv``) are left
@@ -341,13 +343,13 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None) -> C
     facts = facts or {}
     call = dataclasses.replace(call, placement=Placement(
         sequence, position, tuple(sorted(facts.items()))))
-    if call.config.claim_grace_s <= 0:
-        return call
     try:
-        if call.topology.rank == scope_rank0(call):
-            _publish(call, facts)
+        # Reported whatever the claim grace: what a follower may take from a leader with other
+        # credentials is decided from these reports (.credentials).
         if "__credentials__" in facts:
             _report_credentials(call, facts["__credentials__"])
+        if call.config.claim_grace_s > 0 and call.topology.rank == scope_rank0(call):
+            _publish(call, facts)
     except Exception as err:  # noqa: BLE001 - see the docstring
         logger.debug("%s: publishing call %d of %s failed: %s", call.prefix(), position,
                      sequence, err)
@@ -365,14 +367,15 @@ def _publish(call: Call, facts: dict[str, str]) -> None:
                                    [str(placement.position), call.key])
 
 
-_CREDENTIALS: dict[str, Any] = {"reported": set(), "checks": 0, "warned": False, "call": None}
+_CREDENTIALS: dict[str, Any] = {"reported": {}, "checks": 0, "warned": False, "call": None}
 
 
 def _report_credentials(call: Call, digest: str) -> None:
-    """Each rank appends ``<rank>:<digest>`` once per store; global rank 0 looks at them."""
+    """Each rank appends ``<rank>:<digest>`` to ``ranks/credentials`` once per store, and again
+    when its digest changes (its last entry counts); global rank 0 looks at them."""
     with _LOCK:
-        first = id(call.store) not in _CREDENTIALS["reported"]
-        _CREDENTIALS["reported"].add(id(call.store))
+        first = _CREDENTIALS["reported"].get(id(call.store)) != digest
+        _CREDENTIALS["reported"][id(call.store)] = digest
         if call.topology.rank == 0:
             _CREDENTIALS["call"], _CREDENTIALS["mine"] = call, digest
     if first:
@@ -402,8 +405,10 @@ def _check_credentials(*, final: bool) -> None:
         _CREDENTIALS["warned"] = True
     if other:
         logger.warning("%s: ranks %s use other hub credentials (HF_TOKEN or the token file) "
-                       "than this rank: they never share a call with it; each makes its own "
-                       "requests", call.prefix(), other)
+                       "than this rank: they share with it only what any credentials can fetch "
+                       "(repos neither gated nor private, which one anonymous metadata request "
+                       "per repo shows); a gated or private repo each group of ranks with the "
+                       "same credentials fetches for itself", call.prefix(), other)
 
 
 # --- waiting for rank 0 ---------------------------------------------------------------------------
@@ -536,7 +541,8 @@ def _differs(state: dict[str, Any] | None, placement: Placement | None,
     """Which process-level part of the call's key differs from rank 0's (None: none does)."""
     theirs = (state or {}).get("facts") or {}
     for part, mine in placement.facts if placement is not None else ():
-        if part in theirs and theirs[part] != mine:
+        # Credentials are not part of a call's key: rank 0 makes the same key with other ones.
+        if part != "__credentials__" and part in theirs and theirs[part] != mine:
             return f"its {part.strip('_')} and rank {rank0}'s differ"
     return None
 

@@ -22,7 +22,15 @@ url-encoded if it has a ``/``, or a full 40-hex commit sha):
 
 Errors carry the headers ``huggingface_hub.utils.hf_raise_for_status`` maps to exception classes:
 ``X-Error-Code: RepoNotFound`` (:class:`~huggingface_hub.errors.RepositoryNotFoundError`),
-``RevisionNotFound``, ``EntryNotFound`` and ``GatedRepo``. Unknown endpoints are logged and
+``RevisionNotFound``, ``EntryNotFound`` and ``GatedRepo``.
+
+:meth:`LoopbackHub.restrict` makes a repo gated or private, readable with the tokens given
+(``Authorization: Bearer <token>``), answering as the real hub does: a gated repo's info
+(``GET /api/{type}/{repo_id}``, with ``"gated": "manual"``) is public, its files are not (401
+``GatedRepo`` "... Please log in." without a token, 403 ``GatedRepo`` "... not in the authorized
+list" with another); a private repo is hidden on every endpoint (401 ``RepoNotFound`` without a
+token, 404 ``RepoNotFound`` with another), its info says ``"private": true`` to a token that
+may read it. Any token reads a public repo (tokens are not validated). Unknown endpoints are logged and
 answered with a plain 404 JSON error; a bug in a handler answers 500 and never stops the server.
 
 Every request is recorded as a :class:`Request` (and, with ``log_path``, appended to a JSON-lines
@@ -271,6 +279,8 @@ class _Repo:
     repo_id: str
     branches: dict[str, str]  # branch name -> commit sha
     snapshots: dict[str, dict[str, _File]]  # commit sha -> path -> file
+    access: str = "public"  # "public", "gated" or "private" (see LoopbackHub.restrict)
+    tokens: frozenset[str] = frozenset()  # the tokens that may read a gated or private repo
 
     def resolve(self, revision: str) -> str | None:
         """Returns the commit sha for a branch name or a known full commit sha."""
@@ -442,6 +452,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             repo_id, rest = _split_repo_id(segments[2:])
             self._repo_id = repo_id
             self._apply_fault(match_path=path)
+            info = self.command == "GET" and (not rest or rest[0] == "revision")
+            self._check_access(repo_type, repo_id, info=info)
             self._api(repo_type, repo_id, rest)
             return
         if "/resolve/" in path and not path.startswith("/api/"):
@@ -458,6 +470,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._apply_fault(match_path=self._filename)
             if self.command not in ("HEAD", "GET"):
                 raise _HubError(405, "method %s not allowed on /resolve/" % self.command)
+            self._check_access(repo_type, repo_id, info=False)
             self._resolve(repo_type, repo_id, unquote(revision), self._filename)
             return
         self._apply_fault(match_path=path)
@@ -482,6 +495,37 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise _Dropped()
         if fault.status is not None:
             raise _fault_error(fault, self._repo_id)
+
+    def _token(self) -> str | None:
+        """The ``Authorization: Bearer <token>`` the client sent, or None."""
+        header = self.headers.get("Authorization") or ""
+        scheme, _, token = header.partition(" ")
+        return token.strip() or None if scheme.lower() == "bearer" else None
+
+    def _check_access(self, repo_type: str, repo_id: str, *, info: bool) -> None:
+        """Raise the real hub's answer to a client that may not read a gated or private repo
+        (``info``: the repo-info endpoint, public for a gated repo)."""
+        with self.server.hub._lock:
+            repo = self.server.hub._repos.get((repo_type, repo_id))
+        if repo is None or repo.access == "public":
+            return
+        token = self._token()
+        if token is not None and token in repo.tokens:
+            return
+        if repo.access == "private":
+            if token is None:
+                raise _HubError(401, "Invalid username or password.", code="RepoNotFound")
+            raise _HubError(404, "Repository not found", code="RepoNotFound")
+        if info:
+            return
+        kind = {"model": "model", "dataset": "dataset", "space": "space"}[repo_type]
+        if token is None:
+            raise _HubError(401, "Access to %s %s is restricted. You must have access to it and "
+                            "be authenticated to access it. Please log in." % (kind, repo_id),
+                            code="GatedRepo")
+        raise _HubError(403, "Access to %s %s is restricted and you are not in the authorized "
+                        "list. Visit https://huggingface.co/%s to ask for access."
+                        % (kind, repo_id, repo_id), code="GatedRepo")
 
     # -- /resolve ---------------------------------------------------------------------------------
 
@@ -855,6 +899,28 @@ class LoopbackHub:
                      commit, len(files))
         return commit
 
+    def restrict(self, repo_id: str, *, access: str, tokens: Iterable[str] = (),
+                 repo_type: str = "model") -> None:
+        """Make a served repo gated or private (or public again), readable with ``tokens``.
+
+        Args:
+            repo_id: a repo added with :meth:`add_repo`.
+            access: ``"gated"`` (its info is public, its files need a token of ``tokens``),
+                ``"private"`` (hidden from every other client) or ``"public"``.
+            tokens: the tokens (sent as ``Authorization: Bearer <token>``) that may read it.
+            repo_type: ``"model"``, ``"dataset"`` or ``"space"``.
+
+        Raises:
+            ValueError: ``access`` is none of the three.
+            KeyError: the repo is not served.
+        """
+        if access not in ("public", "gated", "private"):
+            raise ValueError("access %r is not one of public, gated, private" % access)
+        with self._lock:
+            repo = self._repos[(repo_type, repo_id)]
+            repo.access = access
+            repo.tokens = frozenset(tokens)
+
     def commit_of(self, repo_id: str, *, repo_type: str = "model", branch: str = "main") -> str:
         """Returns the commit sha ``branch`` points at.
 
@@ -982,8 +1048,9 @@ class LoopbackHub:
                                       "pointerSize": entry["lfs"]["pointerSize"]}
             siblings.append(sibling)
         info: dict[str, Any] = {
-            "_id": commit[:24], "id": repo.repo_id, "sha": commit, "private": False,
-            "gated": False, "disabled": False, "lastModified": _FIXED_DATE,
+            "_id": commit[:24], "id": repo.repo_id, "sha": commit,
+            "private": repo.access == "private",
+            "gated": "manual" if repo.access == "gated" else False, "disabled": False, "lastModified": _FIXED_DATE,
             "createdAt": _FIXED_DATE, "tags": [], "downloads": 0, "likes": 0,
             "siblings": siblings,
         }
