@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="torchrun jobs: Linux only")
 
 # The function runs on the leader only.
-COORDINATED = ("tokenize", "filter", "dict_map", "chained", "num_proc")
+# ``after_rank0``: ranks 1-2 start once rank 0's map returned (its cache file exists then).
+COORDINATED = ("tokenize", "filter", "dict_map", "chained", "num_proc", "after_rank0")
 # datasets reuses no cache file for these (a random fingerprint, no cache file, a forced
 # recompute): every rank computes, as plain.
 PLAIN = ("unhashable", "in_memory", "no_cache_reuse")
@@ -195,11 +196,14 @@ def test_leader_killed_during_map(map_hub: LoopbackHub,
             "\n".join(job.outputs)
         results[mode] = (job, float((out / "killed-at").read_text()))
     (plain, _), (patched, killed_at) = results["plain"], results["patched"]
+    assert sum(_record(patched, r, "leader_killed")["calls"] for r in range(1, NPROC)) >= 40
     for rank in range(1, NPROC):
         want, got = _record(plain, rank, "leader_killed"), _record(patched, rank, "leader_killed")
         assert want.get("ok") and got.get("ok"), (rank, got.get("error"))
         assert got["value"] == want["value"], rank
-        assert got["calls"] == 40, rank
+        # It computes (40 calls), or loads the file another follower computed first (0), as a
+        # plain rank after another does.
+        assert got["calls"] in (0, 40), rank
         assert got["t1"] - killed_at < 10.0, (rank, got["t1"] - killed_at)
         warnings = [line for line in got["lines"] if "making the map plainly here" in line]
         assert len(warnings) == 1 and "is gone" in warnings[0], got["lines"]

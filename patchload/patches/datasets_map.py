@@ -216,7 +216,9 @@ def _coordinated_map(wrapped: Callable[..., Any], args: tuple[Any, ...],
         result = coordinated(
             "datasets.arrow_dataset.Dataset.map", follow, (),
             {"fingerprint": probe.fingerprint,
-             "cache_file": os.path.join(cache_identity(os.path.dirname(cache_file)), name)},
+             # A pair, not a path string: a path that exists (a late rank's, once the leader
+             # wrote it) would add a ``__path__`` part to its key and none to an early rank's.
+             "cache_file": (cache_identity(os.path.dirname(cache_file)), name)},
             what=f"Dataset.map(-> {name})", scope="node", lead_with=lead, offline_kwarg=False)
     except (LeaderFailedError, PatchloadTimeout) as err:
         if type(err) not in (LeaderFailedError, PatchloadTimeout):

@@ -61,6 +61,11 @@ def shout(example: dict[str, Any]) -> dict[str, Any]:
     return {"text": example["text"] + "!"}
 
 
+def lower(example: dict[str, Any]) -> dict[str, Any]:
+    _count(1)
+    return {"text": example["text"].lower()}
+
+
 def inspect_only(example: dict[str, Any]) -> None:
     """Returns nothing: ``datasets`` keeps the dataset as it is and writes no cache file."""
     _count(1)
@@ -70,10 +75,16 @@ def kill_rank0(example: dict[str, Any]) -> dict[str, Any]:
     """SIGKILLs rank 0 (the node's leader) a second into its map, once the others wait; the
     time of the kill goes to ``$PLT_OUT/killed-at``."""
     _count(1)
+    killed_at = Path(os.environ["PLT_CALLS_FILE"]).with_name("killed-at")
     if os.environ.get("RANK") == "0":
         time.sleep(1.0)
-        Path(os.environ["PLT_CALLS_FILE"]).with_name("killed-at").write_text(str(time.time()))
+        killed_at.write_text(str(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
+    # The others write their cache file only once rank 0 is dead: a plain rank 0 seconds late
+    # would otherwise load theirs and never run this (patched followers compute after the kill).
+    deadline = time.monotonic() + 120
+    while not killed_at.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     return {"k": len(example["text"])}
 
 
@@ -105,6 +116,7 @@ def _steps(dd: Any) -> dict[str, Any]:
             {"text": ["p", "qq", "rrr"], "label": [1, 2, 3]}).map(upper),
         "no_cache_reuse": lambda: train.map(upper, load_from_cache_file=False),
         "num_proc": lambda: train.map(shout, num_proc=2, desc="upper, 2 processes"),
+        "after_rank0": lambda: train.map(lower),
         "no_update": lambda: train.map(inspect_only),
         "leader_killed": lambda: train.map(kill_rank0),
         "raises": lambda: train.map(raises),
@@ -187,11 +199,25 @@ def body(report: dict[str, Any]) -> None:
         if name == "leader_killed":  # rank 0 dies in it: no barrier after it (the last step)
             barrier()
         with _common.step(report, name, None if name == "leader_killed" else barrier) as record:
+            if name == "after_rank0":
+                _after_rank0()
             before = _calls()
             with _lines() as lines:
                 record.update(_common.attempt(lambda: _describe(steps[name](), home)))
             record["calls"] = _calls() - before
             record["lines"] = lines
+            if name == "after_rank0" and _common.RANK == 0:
+                (_common.OUT / "after-rank0-done").write_text("")
+
+
+def _after_rank0() -> None:
+    """Ranks other than 0 start ``after_rank0``'s map once rank 0's returned: its cache file
+    exists when they name it (a rank seconds late, as on a real cluster)."""
+    deadline = time.monotonic() + 120
+    while _common.RANK != 0 and not (_common.OUT / "after-rank0-done").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 did not finish its after_rank0 map within 120 s")
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
