@@ -13,21 +13,34 @@ open blobs, mapped models).
 
 from __future__ import annotations
 
-import importlib
 import threading
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Callable, Final
 
 from .._config import TRANSPORT_ENTRY_POINTS, transport_entry_points
 
 if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
+
     from .base import WeightTransport
 
 __all__ = ["TransportRegistry", "transports"]
 
-_BUILTIN: Final = {
-    "shm": "patchload.transport.node_shm:ShmWeights",
-    "collective": "patchload.transport.job_collective:CollectiveWeights",
-}
+
+def _shm() -> WeightTransport:
+    from .node_shm import ShmWeights
+
+    return ShmWeights()
+
+
+def _collective() -> WeightTransport:
+    from .job_collective import CollectiveWeights
+
+    return CollectiveWeights()
+
+
+# A name read from the store (the leader's transport) only ever selects one of these or an
+# installed entry point: nothing it names is imported by name.
+_BUILTIN: Final[dict[str, Callable[[], WeightTransport]]] = {"shm": _shm, "collective": _collective}
 _SCOPES: Final = ("node", "job")
 
 
@@ -41,7 +54,7 @@ class TransportRegistry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._made: dict[str, WeightTransport] = {}
-        self._plugins: dict[str, str] | None = None
+        self._plugins: dict[str, EntryPoint] | None = None
 
     def names(self) -> tuple[str, ...]:
         """Every name a transport can be had by: the built-in ones first."""
@@ -59,18 +72,19 @@ class TransportRegistry:
         with self._lock:
             if name in self._made:
                 return self._made[name]
-            target = _BUILTIN.get(name) or self._plugin_targets().get(name)
-            if target is None:
+            if name in _BUILTIN:
+                transport = _BUILTIN[name]()
+            elif (entry_point := self._plugin_targets().get(name)) is not None:
+                transport = entry_point.load()()
+            else:
                 return None
-            module, _, attribute = target.partition(":")
-            transport = getattr(importlib.import_module(module), attribute)()
             _check(name, transport)
             self._made[name] = transport
             return transport
 
-    def _plugin_targets(self) -> dict[str, str]:
+    def _plugin_targets(self) -> dict[str, EntryPoint]:
         if self._plugins is None:
-            self._plugins = {ep.name: ep.value for ep in transport_entry_points()}
+            self._plugins = {ep.name: ep for ep in transport_entry_points()}
         return self._plugins
 
 
