@@ -280,18 +280,22 @@ def _send(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> Any:
     """``Client.send``: inside a follower's rerun, answered from its leader's record; inside a
     leader's call, made and recorded (a streamed response, a file body, is not recorded: a
-    follower finds the file in the cache the leader filled); elsewhere passed through."""
-    replay = _REPLAY.get()
-    if replay is not None:
-        return replay.answer(kwargs["request"] if "request" in kwargs else args[0],
-                             lambda: wrapped(*args, **kwargs))
-    record = _RECORDING.get()
-    if record is None:
-        return wrapped(*args, **kwargs)
+    follower finds the file in the cache the leader filled); elsewhere passed through. Both at
+    once for a node leader that follows the job's leader (several nodes on one cache): the
+    answers it gets are recorded for its own node's followers."""
     request = kwargs["request"] if "request" in kwargs else args[0]
+    replay, record = _REPLAY.get(), _RECORDING.get()
+
+    def send() -> Any:
+        if replay is not None:
+            return replay.answer(request, lambda: wrapped(*args, **kwargs))
+        return wrapped(*args, **kwargs)
+
+    if record is None:
+        return send()
     key = request_key(request)
     try:
-        response = wrapped(*args, **kwargs)
+        response = send()
     except Exception as err:
         record.append({"key": key, "error": _error_entry(err)})
         raise
