@@ -463,9 +463,9 @@ TOKENS_COLD = Scenario(
     "tokens-cold", (
         {"name": "model", "op": "model", "repo": "tokens/sharded"},
         {"name": "tokenizer", "op": "tokenizer", "repo": "tokens/sharded"},
-    # TOTAL, not ONE_PER_CACHE: a tokenizer's followers still make the hub API calls inside it
-    # (model_info, tree listings) with one token too, until the leader's answers are replayed.
-    ), Requests.TOTAL)
+    # A cold tokenizer's followers make none either: its API calls (model_info, tree listings)
+    # get the leader's answers, and so does its cache-only snapshot lookup (list_repo_templates).
+    ), Requests.ONE_PER_CACHE)
 
 # Rank 0's token reads the gated and the private repo, ranks 1 and 2 share another token that
 # reads neither (and the one repo rank 0's cannot read). Ranks 1 and 2 start once rank 0's call

@@ -1062,6 +1062,14 @@ def test_credentials_repos_of_pins_and_when_credentials_matter(monkeypatch):
             "model:org/e:missing.json": None}
     assert repos_of(pins) == {("model", "org/a"): "c1", ("model", "org/b"): "c2",
                               ("dataset", "org/d"): "c3", ("model", "org/e"): ""}
+    # The leader's recorded HTTP answers name their URL's repo (a known one or a new one).
+    hub = "http://127.0.0.1:9/"
+    answers = {f"http:GET {hub}api/models/org/a/revision/c1 da39#0": {},
+               f"http:HEAD {hub}org/b/resolve/c2/config.json da39#0": {},
+               f"http:GET {hub}api/datasets/org/d/tree/main da39#1": {},
+               f"http:GET {hub}api/models/org/f da39#0": {},
+               f"http:GET {hub}api/whoami-v2 da39#0": {}}
+    assert repos_of({**pins, **answers}) == {**repos_of(pins), ("model", "org/f"): ""}
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert call_credentials({}) is not None and call_credentials({"token": True}) is not None
     assert call_credentials({"token": "hf_x"}) is None  # the key holds its digest

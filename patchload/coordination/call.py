@@ -809,8 +809,37 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
         mode.wait_pin(_pin_key(name, args, kwargs))
     if mode.replayed and name not in _HUB_DOWNLOADS:  # its requests get the leader's answers
         return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **kwargs))
+    if _leader_found_no_snapshot(mode, name, args, kwargs):
+        return _recorded(mode, name, args, kwargs, _no_cached_snapshot)
     return _recorded(mode, name, args, kwargs,
                      lambda: _as_asked(wrapped(*args, **_offline(kwargs)), mode.asked_offline))
+
+
+def _leader_found_no_snapshot(mode: Mode, name: str, args: tuple[Any, ...],
+                              kwargs: dict[str, Any]) -> bool:
+    """A cache-only snapshot lookup the library makes (``local_files_only=True`` as its caller
+    passes it: transformers' ``list_repo_templates``) where the leader's same lookup found no
+    snapshot: it looked before its own downloads of the call wrote the revision's ref. This
+    rank's lookup gets the leader's answer, as its requests do (``mode.replayed``); looking in
+    the cache the leader has filled since would find the snapshot and take this rank off the
+    leader's result (its pins would differ)."""
+    return (mode.replayed and name == "snapshot_download" and kwargs.get("local_files_only") is True
+            and mode.leader is not None and not _IN_SNAPSHOT.get()
+            and mode.leader.pin(_pin_key(name, args, kwargs), _NOT_PINNED) is None)
+
+
+_NOT_PINNED: Final = object()
+
+
+def _no_cached_snapshot() -> Any:
+    """What ``snapshot_download(local_files_only=True)`` raises where the cache holds no
+    snapshot of the revision (huggingface_hub's own error and message)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    raise LocalEntryNotFoundError(
+        "Cannot find an appropriate cached snapshot folder for the specified revision on the "
+        "local disk and outgoing traffic has been disabled. To enable repo look-ups and "
+        "downloads online, pass 'local_files_only=False' as input.")
 
 
 def _cache_dir(kwargs: dict[str, Any]) -> str:

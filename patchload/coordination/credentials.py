@@ -23,9 +23,11 @@ Not collective; no function here waits for another rank.
 from __future__ import annotations
 
 import json
+import urllib.parse
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from .._logging import get_logger
+from .replay import is_answer
 
 if TYPE_CHECKING:
     from .calls import Call
@@ -86,7 +88,11 @@ def repos_of(pins: dict[str, Any]) -> dict[tuple[str, str], str]:
     :attr:`.call.Mode.pins`), each with a commit it resolved (``""`` if none: every file of it
     found absent)."""
     repos: dict[tuple[str, str], str] = {}
+    answered = []
     for key, pin in pins.items():
+        if is_answer(key):  # a recorded HTTP answer (``http:<METHOD> <url> ...``): its URL's repo
+            answered.append(key)
+            continue
         parts = key.split(":", 2)
         if len(parts) != 3:
             continue
@@ -99,7 +105,37 @@ def repos_of(pins: dict[str, Any]) -> dict[tuple[str, str], str]:
         where = (parts[0], parts[1])
         if commit or where not in repos:
             repos[where] = commit
+    for key in answered:
+        where = _answered_repo(key, repos)
+        if where is not None and where not in repos:
+            repos[where] = ""
     return repos
+
+
+_API_TYPES: Final = {"models": "model", "datasets": "dataset", "spaces": "space"}
+
+
+def _answered_repo(key: str, known: dict[tuple[str, str], str]) -> tuple[str, str] | None:
+    """The repo a recorded answer's URL names (``/api/<type>s/<repo>/...`` or
+    ``/[<type>s/]<repo>/resolve/...``): one of ``known`` whose path it starts with, else its
+    first two path segments (a repo with a namespace; a bare name followed by more segments is
+    taken with the next one, a repo that does not exist, so never public: such ranks then make
+    the call among themselves). None for a URL of no repo."""
+    url = key[len("http:"):].split(" ")[1] if key.count(" ") >= 2 else ""
+    path = urllib.parse.urlsplit(url).path.strip("/").split("/")
+    if len(path) >= 2 and path[0] == "api" and path[1] in _API_TYPES:
+        repo_type, rest = _API_TYPES[path[1]], path[2:]
+    elif path and path[0] == "api":  # another API (whoami): no repo
+        return None
+    elif path and path[0] in ("datasets", "spaces"):
+        repo_type, rest = _API_TYPES[path[0]], path[1:]
+    else:
+        repo_type, rest = "model", path
+    for known_type, repo_id in known:
+        parts = repo_id.split("/")
+        if known_type == repo_type and rest[:len(parts)] == parts:
+            return (known_type, repo_id)
+    return (repo_type, "/".join(rest[:2])) if len(rest) >= 2 else None
 
 
 def _anonymous(repo_type: str, repo_id: str, commit: str) -> tuple[bool, str]:

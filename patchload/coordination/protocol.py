@@ -421,13 +421,13 @@ class LeaderView:
         if raising and self._outcome is not None and self.failed_early():
             self.payload()
 
-    def pin(self, key: str) -> Any:
+    def pin(self, key: str, default: Any = None) -> Any:
         """The leader's pin ``key`` (:func:`publish_pins`; in its success outcome once that is
-        published), or None where it has published none under ``key`` so far. Does not wait;
-        one store request until the outcome is known."""
+        published), or ``default`` where it has published none under ``key`` so far. Does not
+        wait; one store request until the outcome is known."""
         outcome = self._outcome
         if outcome is not None and outcome.get("ok"):
-            return ((outcome.get("payload") or {}).get("pins") or {}).get(key)
+            return ((outcome.get("payload") or {}).get("pins") or {}).get(key, default)
         with self.call.store.lock:
             published = _published(self.call, "pins") or {}
             if outcome is None and key not in published:  # published since? (the last pins
@@ -435,8 +435,8 @@ class LeaderView:
         if key in published:
             return published[key]
         if outcome is not None and outcome.get("ok"):
-            return ((outcome.get("payload") or {}).get("pins") or {}).get(key)
-        return None
+            return ((outcome.get("payload") or {}).get("pins") or {}).get(key, default)
+        return default
 
     def failed_early(self) -> bool:
         """Whether the leader published a failure before announcing its files (does not wait):
