@@ -790,8 +790,13 @@ def test_patched_equals_plain(harness: Harness, group: str, variant: str, scenar
     assert diffs == [], f"{scenario} ({variant}) differs from plain:\n" + "\n".join(diffs)
 
 
+# Not run twice plain: rank0-late (its plain run is 40 s of rank 0 asleep before calls the
+# shared-cache group makes too, whose two plain runs are compared).
+_PLAIN_ONCE: Final = ("rank0-late",)
+
+
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.parametrize("group", [g.name for g in GROUPS])
+@pytest.mark.parametrize("group", [g.name for g in GROUPS if g.name not in _PLAIN_ONCE])
 def test_two_plain_runs_agree(harness: Harness, group: str) -> None:
     """The harness is deterministic: a second plain run of the group compares equal, requests
     included, so every difference a patched run shows is patchload's."""
