@@ -162,10 +162,12 @@ def step(report: dict[str, Any], name: str, barrier: Barrier | None) -> Iterator
 
 
 @contextlib.contextmanager
-def patchload_lines() -> Iterator[list[str]]:
+def patchload_lines(loggers: tuple[str, ...] = ("patchload.coordination.call",)
+                    ) -> Iterator[list[str]]:
     """The INFO lines patchload logs for its top-level calls in this thread during the block
-    ("led it", "followed rank 0: ..."), collected by a handler on its logger: what reaches
-    stderr is unchanged (the logger's handlers and, below WARNING, nothing prints)."""
+    ("led it", "followed rank 0: ..."; ``loggers``: the loggers to collect from), collected by
+    a handler on each logger: what reaches stderr is unchanged (the loggers' handlers and, below
+    WARNING, nothing prints)."""
     lines: list[str] = []
     thread = threading.get_ident()
 
@@ -174,16 +176,19 @@ def patchload_lines() -> Iterator[list[str]]:
             if record.thread == thread:
                 lines.append(record.getMessage())
 
-    log = logging.getLogger("patchload.coordination.call")
-    handler, level = Collect(logging.INFO), log.level
-    log.addHandler(handler)
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO)
+    logs = [logging.getLogger(name) for name in loggers]
+    handler = Collect(logging.INFO)
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.addHandler(handler)
+        if log.getEffectiveLevel() > logging.INFO:
+            log.setLevel(logging.INFO)
     try:
         yield lines
     finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.removeHandler(handler)
+            log.setLevel(level)
 
 
 @contextlib.contextmanager

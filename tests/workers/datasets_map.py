@@ -17,21 +17,20 @@ import os
 os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{os.environ.get('RANK', '0')}"
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
-import logging  # noqa: E402
 import signal  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Iterator  # noqa: E402
+from typing import Any  # noqa: E402
 
 import _common  # noqa: E402
 
 CALLS = _common.OUT / f"calls-{_common.RANK}"
 os.environ["PLT_CALLS_FILE"] = str(CALLS)
 _UNHASHABLE = (i for i in range(1))
+# patchload's INFO lines a step records: its call's and its map's.
+_LOGGERS = ("patchload.coordination.call", "patchload.patches.datasets_map")
 
 
 def _count(n: int) -> None:
@@ -140,33 +139,6 @@ def _describe(result: Any, home: str) -> dict[str, Any]:
     return {"splits": {name: _one(split, home) for name, split in result.items()}}
 
 
-@contextlib.contextmanager
-def _lines() -> Iterator[list[str]]:
-    """patchload's INFO lines of this thread (its call and map loggers) during the block."""
-    lines: list[str] = []
-    thread = threading.get_ident()
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.thread == thread:
-                lines.append(record.getMessage())
-
-    logs = [logging.getLogger(name) for name in ("patchload.coordination.call",
-                                                 "patchload.patches.datasets_map")]
-    handler = Collect(logging.INFO)
-    levels = [log.level for log in logs]
-    for log in logs:
-        log.addHandler(handler)
-        if log.getEffectiveLevel() > logging.INFO:
-            log.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        for log, level in zip(logs, levels):
-            log.removeHandler(handler)
-            log.setLevel(level)
-
-
 def _calls() -> int:
     try:
         return sum(int(line) for line in CALLS.read_text().split())
@@ -202,7 +174,7 @@ def body(report: dict[str, Any]) -> None:
             if name == "after_rank0":
                 _after_rank0()
             before = _calls()
-            with _lines() as lines:
+            with _common.patchload_lines(_LOGGERS) as lines:
                 record.update(_common.attempt(lambda: _describe(steps[name](), home)))
             record["calls"] = _calls() - before
             record["lines"] = lines
