@@ -1069,7 +1069,9 @@ def test_credentials_repos_of_pins_and_when_credentials_matter(monkeypatch):
                f"http:GET {hub}api/datasets/org/d/tree/main da39#1": {},
                f"http:GET {hub}api/models/org/f da39#0": {},
                f"http:GET {hub}api/whoami-v2 da39#0": {}}
-    assert repos_of({**pins, **answers}) == {**repos_of(pins), ("model", "org/f"): ""}
+    # Another API's answer (the leader's identity) names no public repo.
+    assert repos_of({**pins, **answers}) == {**repos_of(pins), ("model", "org/f"): "",
+                                             ("model", "api/whoami-v2"): ""}
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert call_credentials({}) is not None and call_credentials({"token": True}) is not None
     assert call_credentials({"token": "hf_x"}) is None  # the key holds its digest

@@ -120,13 +120,15 @@ def _answered_repo(key: str, known: dict[tuple[str, str], str]) -> tuple[str, st
     ``/[<type>s/]<repo>/resolve/...``): one of ``known`` whose path it starts with, else its
     first two path segments (a repo with a namespace; a bare name followed by more segments is
     taken with the next one, a repo that does not exist, so never public: such ranks then make
-    the call among themselves). None for a URL of no repo."""
+    the call among themselves; so is any other API's path). None for a URL with no path."""
     url = key[len("http:"):].split(" ")[1] if key.count(" ") >= 2 else ""
     path = urllib.parse.urlsplit(url).path.strip("/").split("/")
     if len(path) >= 2 and path[0] == "api" and path[1] in _API_TYPES:
         repo_type, rest = _API_TYPES[path[1]], path[2:]
-    elif path and path[0] == "api":  # another API (whoami): no repo
-        return None
+    elif path and path[0] == "api":
+        # Another API (whoami: the leader's own identity): named as a repo that does not
+        # exist, so never public, and ranks with other credentials make the call themselves.
+        return ("model", "/".join(path))
     elif path and path[0] in ("datasets", "spaces"):
         repo_type, rest = _API_TYPES[path[0]], path[1:]
     else:
@@ -135,7 +137,8 @@ def _answered_repo(key: str, known: dict[tuple[str, str], str]) -> tuple[str, st
         parts = repo_id.split("/")
         if known_type == repo_type and rest[:len(parts)] == parts:
             return (known_type, repo_id)
-    return (repo_type, "/".join(rest[:2])) if len(rest) >= 2 else None
+    named = "/".join(rest[:2])
+    return (repo_type, named) if named else None
 
 
 def _anonymous(repo_type: str, repo_id: str, commit: str) -> tuple[bool, str]:
