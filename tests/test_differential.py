@@ -465,9 +465,12 @@ PER_RANK_TOKENS = Scenario(
 TOKENS_COLD = Scenario(
     "tokens-cold", (
         {"name": "model", "op": "model", "repo": "tokens/sharded"},
-        {"name": "tokenizer", "op": "tokenizer", "repo": "tokens/sharded"},
+        # The followers 2 s late: they look for a cached snapshot (list_repo_templates) after
+        # the leader's downloads wrote the ref its own lookup did not find.
+        {"name": "tokenizer", "op": "tokenizer", "repo": "tokens/sharded",
+         "sleep_before_s": {"1": 2, "2": 2}},
     # A cold tokenizer's followers make none either: its API calls (model_info, tree listings)
-    # get the leader's answers, and so does its cache-only snapshot lookup (list_repo_templates).
+    # get the leader's answers, and so does its cache-only snapshot lookup.
     ), Requests.ONE_PER_CACHE)
 
 # Rank 0's token reads the gated and the private repo, ranks 1 and 2 share another token that
