@@ -6,8 +6,8 @@ a follower looks it up here: one that does not know the name loads plainly.
 
 A new transport is one package implementing :class:`~patchload.transport.base.WeightTransport`
 plus one registry line: an entry point in the group ``patchload.transports`` of the package's
-metadata (``copy = "my_package:CopyWeights"``), or a line in :data:`_BUILTIN` for one of
-patchload's own. Each transport is made once per process, on first use (it holds its own state:
+metadata (``copy = "my_package:CopyWeights"``), or, for one of patchload's own, a function
+that imports and makes it and its line in :data:`_BUILTIN`. Each transport is made once per process, on first use (it holds its own state:
 open blobs, mapped models).
 """
 
