@@ -25,7 +25,9 @@ figure is per rank):
   1000 rows).
 * peak node memory: the peak of node memory in use (``MemTotal - MemAvailable``, sampled every
   50 ms) from the release to the end of the run, minus its value at the release, in MiB.
-  Page cache (the parquet and Arrow files, memory-mapped) does not count.
+  Page cache (the parquet and Arrow files, memory-mapped) does not count. The two rows below
+  it are the same peak over the load alone (release to the last ``load_dataset`` return) and
+  over the map alone (first ``map`` start to last return), both from the same baseline.
 * same as plain: every rank's loaded train split and mapped dataset have plain rank 0's
   fingerprint, row count and a sha256 of three rows.
 """
@@ -127,11 +129,16 @@ def one(mode: str, label: str, repo_id: str, nproc: int, *, hub: Any, work: Path
         "map_s": max(r["map_end"] for r in ranks) - min(r["map_start"] for r in ranks),
         "calls": [r["map_calls"] for r in ranks],
         "peak": sampler.peak(marks["go"], run.ended_at) - marks["baseline"],
+        "peak_load": sampler.peak(marks["go"], max(r["loaded_at"] for r in ranks))
+        - marks["baseline"],
+        "peak_map": sampler.peak(min(r["map_start"] for r in ranks),
+                                 max(r["map_end"] for r in ranks)) - marks["baseline"],
         "content": [(r["loaded"], r["mapped"]) for r in ranks],
     }
     shutil.rmtree(work / "hf", ignore_errors=True)  # a run's caches: ~3x the data on disk
-    print(f"- {label}: ready {figures['ready_s']:.2f} s, map {figures['map_s']:.2f} s, "
-          f"requests {list(requests.values())}, map calls {figures['calls']}", flush=True)
+    each = " / ".join(f"{r['loaded_at'] - marks['go']:.2f}" for r in ranks)
+    print(f"- {label}: ready {figures['ready_s']:.2f} s (per rank {each}), "
+          f"map {figures['map_s']:.2f} s, requests {list(requests.values())}, map calls {figures['calls']}", flush=True)
     return figures
 
 
@@ -195,7 +202,11 @@ def main() -> int:
             ("datasets ready (s)", "ready_s", lambda m: f"{med(m, 'ready_s'):.2f}", None),
             ("map (s)", "map_s", lambda m: f"{med(m, 'map_s'):.2f}", None),
             ("map calls / rank", "calls", lambda m: _per_rank(last[m]["calls"]), _total),
-            ("peak node memory (MiB)", "peak", lambda m: f"{med(m, 'peak') / 2**20:.0f}", None)]:
+            ("peak node memory (MiB)", "peak", lambda m: f"{med(m, 'peak') / 2**20:.0f}", None),
+            ("  of it, during the load", "peak_load",
+             lambda m: f"{med(m, 'peak_load') / 2**20:.0f}", None),
+            ("  of it, during the map", "peak_map",
+             lambda m: f"{med(m, 'peak_map') / 2**20:.0f}", None)]:
         plain, patched = (med(m, key, total or (lambda v: v)) for m in MODES)
         ratio = f"{patched / plain:.2f}" if plain > 0 else "-"
         rows.append([what, shown("plain"), shown("patchload"), ratio])
