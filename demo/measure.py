@@ -89,14 +89,15 @@ class MemorySampler:
 
 
 @contextlib.contextmanager
-def serve(repos: dict[str, Path], log_path: Path) -> Iterator[Any]:
-    """Serve ``repos`` (repo id -> folder) from a LoopbackHub in this process; yields the hub."""
+def serve(repos: dict[str, Path], log_path: Path, *, repo_type: str = "model") -> Iterator[Any]:
+    """Serve ``repos`` (repo id -> folder, all of ``repo_type``: ``"model"``, ``"dataset"``) from
+    a LoopbackHub in this process; yields the hub."""
     from patchload.testing.hub import LoopbackHub
 
     log_path.unlink(missing_ok=True)
     hub = LoopbackHub(log_path=log_path)
     for repo_id, folder in repos.items():
-        hub.add_repo(repo_id, folder)
+        hub.add_repo(repo_id, folder, repo_type=repo_type)
     hub.start()
     try:
         yield hub

@@ -1,0 +1,104 @@
+"""One rank of ``benchmarks/bench_datasets.py``: ``load_dataset`` then a batched ``Dataset.map``.
+
+Run under torchrun by the benchmark (with ``demo/site/sitecustomize.py`` injected, which puts
+``origin/rank-N`` in the hub requests' User-Agent). Protocol, through files in ``--sync-dir``:
+write ``imported-RANK`` once the libraries are imported, wait for ``go`` (the benchmark takes
+its memory baseline and clears the hub's request log in between), ``load_dataset``, wait until
+every rank has loaded (so the map is timed from a common start), map the train split, print
+``RESULT {json}``, then wait for every rank's ``done-RANK`` before exiting (so every rank's
+mappings stay alive while the others still work: the node's peak is the whole job's).
+
+Times in the RESULT are ``time.time()`` seconds. ``map_calls`` is how many times this rank's
+process called the map function (one line per batch in ``$BENCH_DS_CALLS_FILE``).
+"""
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import datasets
+
+import patchload  # noqa: F401  - PATCHLOAD=0 turns it off
+
+_POLL_S = 0.005
+
+
+def tokenize(batch: dict) -> dict:
+    """A cheap stand-in for a tokenizer, batched: whitespace words, ids of the first 128 words
+    (truncation, as ``max_length`` does), and the word count of each text.
+
+    The call count goes to a file named by the environment, not by an argument or a global:
+    ``datasets`` fingerprints the function with what it references, and a per-rank path there
+    would give every rank its own fingerprint (and so its own cache file: no shared map).
+    """
+    with open(os.environ["BENCH_DS_CALLS_FILE"], "a", encoding="utf-8") as f:
+        f.write(f"{len(batch['text'])}\n")
+    words = [text.split() for text in batch["text"]]
+    # Deterministic across processes (str hash() is salted per process).
+    ids = [[len(w) * 997 + ord(w[0]) for w in ws[:128]] for ws in words]
+    return {"input_ids": ids, "n_words": [len(ws) for ws in words]}
+
+
+def wait_for(paths: list[Path], timeout_s: float = 900.0) -> None:
+    deadline = time.time() + timeout_s
+    while not all(p.exists() for p in paths):
+        if time.time() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {[str(p) for p in paths]}")
+        time.sleep(_POLL_S)
+
+
+def touch(path: Path) -> None:
+    path.write_text(str(time.time()))
+
+
+def describe(ds: datasets.Dataset) -> dict:
+    """What identifies a dataset's content cheaply: fingerprint, rows, and a sha256 of three
+    rows (first, middle, last; reading them touches the Arrow files the rank mapped)."""
+    n = ds.num_rows
+    picked = ds.select(sorted({0, n // 2, n - 1})).to_dict() if n else {}
+    rows = hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
+    return {"fingerprint": ds._fingerprint, "num_rows": n, "rows_sha256": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--sync-dir", type=Path, required=True)
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    sync = args.sync_dir
+    calls = sync / f"calls-{rank}"
+    calls.write_text("")
+    os.environ["BENCH_DS_CALLS_FILE"] = str(calls)
+
+    # What load_dataset imports lazily, so the memory baseline holds every library.
+    with contextlib.suppress(ImportError):
+        import datasets.packaged_modules.parquet.parquet  # noqa: F401
+        import patchload.patches.datasets  # noqa: F401
+        import patchload.patches.datasets_map  # noqa: F401
+
+    touch(sync / f"imported-{rank}")
+    wait_for([sync / "go"])
+    loaded = datasets.load_dataset(args.dataset)
+    loaded_at = time.time()
+    touch(sync / f"loaded-{rank}")
+    wait_for([sync / f"loaded-{r}" for r in range(world)])
+
+    map_start = time.time()
+    mapped = loaded["train"].map(tokenize, batched=True)
+    map_end = time.time()
+
+    print("RESULT " + json.dumps({
+        "rank": rank, "loaded_at": loaded_at, "map_start": map_start, "map_end": map_end,
+        "map_calls": len(calls.read_text().splitlines()),
+        "loaded": describe(loaded["train"]), "mapped": describe(mapped)}), flush=True)
+    touch(sync / f"done-{rank}")
+    wait_for([sync / f"done-{r}" for r in range(world)])
+
+
+if __name__ == "__main__":
+    main()
