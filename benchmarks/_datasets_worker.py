@@ -23,8 +23,8 @@ from pathlib import Path
 import datasets
 
 import patchload  # noqa: F401  - PATCHLOAD=0 turns it off
+from _sync import touch, wait_for  # benchmarks/: the script's own folder
 
-_POLL_S = 0.005
 
 
 def tokenize(batch: dict) -> dict:
@@ -41,18 +41,6 @@ def tokenize(batch: dict) -> dict:
     # Deterministic across processes (str hash() is salted per process).
     ids = [[len(w) * 997 + ord(w[0]) for w in ws[:128]] for ws in words]
     return {"input_ids": ids, "n_words": [len(ws) for ws in words]}
-
-
-def wait_for(paths: list[Path], timeout_s: float = 900.0) -> None:
-    deadline = time.time() + timeout_s
-    while not all(p.exists() for p in paths):
-        if time.time() > deadline:
-            raise TimeoutError(f"waited {timeout_s:.0f} s for {[str(p) for p in paths]}")
-        time.sleep(_POLL_S)
-
-
-def touch(path: Path) -> None:
-    path.write_text(str(time.time()))
 
 
 def describe(ds: datasets.Dataset) -> dict:

@@ -23,20 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import patchload  # noqa: F401  - PATCHLOAD=0 turns it off
+from _sync import touch, wait_for  # benchmarks/: the script's own folder
 
-_POLL_S = 0.005
-
-
-def wait_for(paths: list[Path], timeout_s: float = 600.0) -> None:
-    deadline = time.time() + timeout_s
-    while not all(p.exists() for p in paths):
-        if time.time() > deadline:
-            raise TimeoutError(f"waited {timeout_s:.0f} s for {[str(p) for p in paths]}")
-        time.sleep(_POLL_S)
-
-
-def touch(path: Path) -> None:
-    path.write_text(str(time.time()))
 
 
 def main() -> None:

@@ -38,7 +38,6 @@ import argparse
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -95,18 +94,7 @@ def one(mode: str, label: str, repo_id: str, nproc: int, *, hub: Any, work: Path
                           extra={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
     marks: dict[str, float] = {}
 
-    def release(proc: Any, deadline: float) -> None:
-        imported = [sync / f"imported-{r}" for r in range(nproc)]
-        while not all(p.exists() for p in imported):
-            if proc.poll() is not None or time.time() > deadline:
-                return
-            time.sleep(0.01)
-        time.sleep(0.3)  # let the last imports' memory settle
-        marks["baseline"] = measure.node_memory_used()
-        marks["go"] = time.time()
-        hub.clear_requests()
-        (sync / "go").write_text("go")
-
+    release = measure.release_when_imported(sync, nproc, hub, marks)
     run = measure.torchrun(label, WORKER, ["--dataset", repo_id, "--sync-dir", str(sync)],
                            nproc=nproc, env=env, measure_dir=work / "measure",
                            timeout_s=timeout_s, during=release)

@@ -89,18 +89,7 @@ def one(label: str, repo_id: str, dtype: str, nproc: int, extra_env: dict[str, s
                           patchload_on=True, extra=extra_env)
     marks: dict[str, float] = {}
 
-    def release(proc: Any, deadline: float) -> None:
-        imported = [sync / f"imported-{r}" for r in range(nproc)]
-        while not all(p.exists() for p in imported):
-            if proc.poll() is not None or time.time() > deadline:
-                return
-            time.sleep(0.01)
-        time.sleep(0.3)  # let the last imports' memory settle
-        marks["baseline"] = measure.node_memory_used()
-        marks["go"] = time.time()
-        hub.clear_requests()
-        (sync / "go").write_text("go")
-
+    release = measure.release_when_imported(sync, nproc, hub, marks)
     run = measure.torchrun(label, WORKER, ["--model", repo_id, "--dtype", dtype,
                                            "--sync-dir", str(sync)]
                            + (["--tokenizer"] if tokenizer else []),

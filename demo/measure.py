@@ -167,6 +167,28 @@ def run_env(*, endpoint: str, hf_home: Path, measure_dir: Path, patchload_on: bo
     return env
 
 
+def release_when_imported(sync: Path, nproc: int, hub: Any,
+                          marks: dict[str, float]) -> Callable[[Any, float], None]:
+    """A ``during`` callback for :func:`torchrun`: once every rank wrote ``<sync>/imported-<r>``
+    it records the node's memory (``marks["baseline"]``, bytes) and the time
+    (``marks["go"]``, seconds since the epoch), clears the hub's request log and writes
+    ``<sync>/go``, which the ranks wait for. Returns without releasing if the job ends or the
+    deadline (seconds since the epoch) passes first."""
+    def release(proc: Any, deadline: float) -> None:
+        imported = [sync / f"imported-{r}" for r in range(nproc)]
+        while not all(p.exists() for p in imported):
+            if proc.poll() is not None or time.time() > deadline:
+                return
+            time.sleep(0.01)
+        time.sleep(0.3)  # let the last imports' memory settle
+        marks["baseline"] = node_memory_used()
+        marks["go"] = time.time()
+        hub.clear_requests()
+        (sync / "go").write_text("go")
+
+    return release
+
+
 def torchrun(label: str, script: Path, args: Sequence[str], *, nproc: int, env: dict[str, str],
              measure_dir: Path, timeout_s: float, sampler: MemorySampler | None = None,
              echo: bool = False,
