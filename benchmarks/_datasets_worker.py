@@ -26,7 +26,6 @@ import patchload  # noqa: F401  - PATCHLOAD=0 turns it off
 from _sync import touch, wait_for  # benchmarks/: the script's own folder
 
 
-
 def tokenize(batch: dict) -> dict:
     """A cheap stand-in for a tokenizer, batched: whitespace words, ids of the first 128 words
     (truncation, as ``max_length`` does), and the word count of each text.

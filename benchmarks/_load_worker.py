@@ -26,7 +26,6 @@ import patchload  # noqa: F401  - PATCHLOAD=0 turns it off
 from _sync import touch, wait_for  # benchmarks/: the script's own folder
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
