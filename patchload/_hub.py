@@ -10,10 +10,8 @@ makes the one snapshot download; followers skip ``model_info``) and scheduler
 ``PeftModel.from_pretrained``, ``load_adapter`` (also transformers' ``PeftAdapterMixin``),
 ``AutoPeftModel*.from_pretrained`` and ``PeftConfig.from_pretrained``.
 
-``huggingface_hub.file_exists`` (peft asks it before downloading adapter weights, even with
-``local_files_only=True``) is answered from the cache inside a follower (the enclosing call's
-``cache_dir``, or the default cache), without a request; a ``file_exists`` outside any patched
-call is not coordinated (every rank asks the hub).
+``huggingface_hub``'s metadata calls (``file_exists``, ``model_info``, ...) are patched in
+:mod:`patchload.patches.hub_api`.
 
 ``huggingface_hub.hf_hub_download`` and ``snapshot_download`` are wrapped where they are defined
 and rebound wherever a module already imported them by name (``transformers.utils.hub``,
@@ -28,7 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Final
 
-from .coordination.call import coordinated, current_mode
+from .coordination.call import coordinated
 from ._patching import Patch
 
 __all__ = ["hub_patches"]
@@ -71,23 +69,6 @@ _REJECTING_OFFLINE_KWARG: Final = (
 
 _SOURCE_NAMES: Final = ("pretrained_model_name_or_path", "model_name_or_path", "model_id",
                         "peft_model_id")
-
-
-def _file_exists(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Any:
-    """``huggingface_hub.file_exists`` (a request): inside a follower's call, answered from the
-    cache the leader filled, the call's own ``cache_dir`` if it has one (a cached file exists;
-    anything else is taken as absent)."""
-    mode = current_mode()
-    if mode is None or mode.lead or mode.replayed:  # replayed: the leader's answer
-        return wrapped(*args, **kwargs)
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(
-        _first(args, kwargs, "repo_id", 0), _first(args, kwargs, "filename", 1),
-        cache_dir=mode.cache_dir, revision=kwargs.get("revision"),
-        repo_type=kwargs.get("repo_type"))
-    return isinstance(cached, str)
 
 
 def _first(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int) -> Any:
@@ -157,8 +138,6 @@ def hub_patches() -> list[Patch]:
         # The same, bound to hf_api's module-level HfApi at import, imported by name (diffusers).
         Patch("huggingface_hub.hf_api", "resolve_revision", _hub_function("resolve_revision"),
               rebind_aliases=True),
-        # A bound method of hf_api's module-level HfApi, imported by name (peft).
-        Patch("huggingface_hub.hf_api", "file_exists", _file_exists, rebind_aliases=True),
     ]
     patches += [Patch(module, path, _entry_point(offline_kwarg=True))
                 for module, path in _ENTRY_POINTS]

@@ -667,6 +667,44 @@ SENTENCE = Scenario(
     ), Requests.ONE_PER_CACHE, setup=_sentence_setup)
 
 
+def _api(name: str, method: str, *args: Any, repo: str = "rp/api", **step: Any) -> dict[str, Any]:
+    return {"name": name, "op": "hub_api", "method": method, "repo": repo, "args": list(args),
+            **step}
+
+
+# User code's own hub metadata calls, on every rank (patchload.patches.hub_api): rank 0 asks,
+# the others get its answers, errors included, through the module-level functions and HfApi.
+HUB_API = Scenario(
+    "hub-api", (
+        _api("model-info", "model_info", kwargs={"files_metadata": True}),
+        _api("model-info-token", "model_info", via="HfApi", api={"token": "hf_apitoken"}),
+        _api("repo-info", "repo_info", via="HfApi"),
+        _api("repo-exists-missing", "repo_exists", repo="rp/no-such-repo"),
+        _api("revision-exists-missing", "revision_exists", "no-such-branch"),
+        _api("file-exists", "file_exists", "config.json"),
+        _api("file-exists-missing", "file_exists", "no-such-file.json"),
+        _api("list-files", "list_repo_files"),
+        _api("list-tree", "list_repo_tree", via="HfApi", kwargs={"recursive": True}),
+        # a lazy listing that fails when iterated: the error where a plain caller meets it
+        _api("list-tree-missing", "list_repo_tree", repo="rp/no-such-repo"),
+        _api("list-refs", "list_repo_refs"),
+        _api("list-commits", "list_repo_commits", via="HfApi"),
+        _api("paths-info", "get_paths_info", ["config.json", "no-such-file.json"]),
+        # A listing rank 0 makes alone, then a load rank 0 comes to 3 s late: it still leads it
+        # (user code's metadata calls count apart from the loads).
+        _api("rank0-info", "model_info", repo="rp/remote", ranks=[0]),
+        {"name": "late-config", "op": "config", "repo": "rp/api", "sleep_before_s": {"0": 3}},
+    ), Requests.ONE_PER_CACHE,
+    setup=lambda ctx: _llama(ctx, "rp/api", seed=46, with_tokenizer=False))
+
+# The same, failing on the leader: every rank raises the plain class (a rank that comes after
+# the leader's attempt failed makes one of its own, as its plain call would: TOTAL).
+HUB_API_ERRORS = Scenario(
+    "hub-api-errors", (
+        _api("model-info-missing", "model_info", repo="rp/no-such-repo"),
+        _api("dataset-info-missing", "dataset_info", repo="rp/no-such-dataset"),
+    ), Requests.TOTAL)
+
 # --- under contention (issue 31) ------------------------------------------------------------------
 # The same kinds of job as ``cold`` and ``saved`` (own repos), in a shared cache, while every core
 # is kept busy (``Group.busy_cores``): a follower's waits and the leader's heartbeats run late,
@@ -690,7 +728,7 @@ GROUPS = (
     Group("per-rank-tokens", (PER_RANK_TOKENS, TOKENS_COLD),
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
-    Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE), nproc=4),
+    Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS), nproc=4),
     Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
     Group("local-dir", (LOCAL_DIR, SAVED), homes="shared", nproc=2, nodes=2,
           variants={"shm": {"PLT_RECORD_ATTACHES": "1"}}),
@@ -899,6 +937,16 @@ def test_late_rank0_leads_every_call(harness: Harness) -> None:
     for step in LATE_RANK0.step_names():
         per_rank = requests_per_rank(patched, step)
         assert set(per_rank) == {0}, f"{step}: requests per rank {per_rank}"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_listing_rank0_makes_alone_leaves_it_leading_the_next_load(harness: Harness) -> None:
+    """Rank 0 alone asks model_info, then comes 3 s late to a config load: it makes the
+    load's requests, the others none (user code's metadata calls count apart from loads)."""
+    patched = harness.side("replay", "shm")
+    assert set(requests_per_rank(patched, "hub-api/rank0-info")) == {0}
+    per_rank = requests_per_rank(patched, "hub-api/late-config")
+    assert set(per_rank) == {0}, f"requests per rank {per_rank}"
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -146,6 +146,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.patches": PATCHES,
     "patchload.patches.datasets": PATCHES,
     "patchload.patches.datasets_map": PATCHES,
+    "patchload.patches.hub_api": PATCHES,
     # top: the public API and doctor
     "patchload": TOP,
     "patchload.__main__": TOP,

@@ -45,7 +45,7 @@ from .scope import download_scope
 from .store import job_store
 
 __all__ = ["Mode", "VerificationFailed", "add_pins", "context_patches", "current_mode",
-           "coordinated", "plain", "record_hub_result", "verify_so_far",
+           "coordinated", "coordinates_here", "plain", "record_hub_result", "verify_so_far",
            "without_waiting"]
 
 logger = get_logger(__name__)
@@ -54,6 +54,9 @@ _FINGERPRINT_MAX_FILES: Final = 10_000
 _HUB_DOWNLOADS: Final = ("hf_hub_download", "snapshot_download")
 # The hub calls whose result is pinned: a follower's must be the leader's.
 _PINNED: Final = (*_HUB_DOWNLOADS, "resolve_revision")
+# The names of user code's own hub metadata calls (patchload.patches.hub_api): counted in a
+# sequence of their own (rank0.place).
+_METADATA_PREFIX: Final = "HfApi."
 
 
 class VerificationFailed(Exception):
@@ -138,6 +141,14 @@ def current_mode() -> Mode | None:
     """The mode of the enclosing coordinated call in this thread, or None at top level and
     inside a plain call."""
     return None if _PLAIN.get() else _MODE.get()
+
+
+def coordinates_here() -> bool:
+    """Whether a patched call made here and now is coordinated across ranks as a top-level
+    call: patchload is installed and on, the job has more than one process, and no coordinated
+    or plain call encloses this one."""
+    return (not _PLAIN.get() and _MODE.get() is None and _state.active()
+            and current_topology().distributed)
 
 
 @contextlib.contextmanager
@@ -892,7 +903,8 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     # Not a key part (ranks with other credentials share what any credentials can fetch):
     # published by rank 0 and reported by every rank (.credentials).
     facts["__credentials__"] = credentials_digest()
-    return _rank0.place(call, nested=nested, facts=facts), deciding
+    return _rank0.place(call, nested=nested, facts=facts,
+                        metadata=name.startswith(_METADATA_PREFIX)), deciding
 
 
 def _source_repo(name: str, args: tuple[Any, ...],

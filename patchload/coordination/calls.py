@@ -20,8 +20,8 @@ class Placement:
     """Where a call sits in this process's sequence of coordinated calls.
 
     Attributes:
-        sequence: ``<namespace>/top`` or ``<namespace>/nested`` (namespace: ``job`` or the
-            node's).
+        sequence: ``<namespace>/top``, ``<namespace>/nested`` or ``<namespace>/metadata``
+            (user code's hub metadata calls; namespace: ``job`` or the node's).
         position: 1-based count of this process's calls of that sequence, this one included.
         facts: the process-level parts (:data:`FACTS`) the call's key holds, as in the key.
     """

@@ -7,7 +7,8 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    key's namespace (``job`` or the node's) and whether the call is top-level (made outside any
    coordinated call; ``main_process_first`` counts) or nested (inside one, the node leaders'
    calls among them). At its i-th call of a sequence, before claiming it, rank 0 publishes
-   ``seq/<sequence>/<i>`` = the call's key and ``seqkey/<key>`` = i.
+   ``seq/<sequence>/<i>`` = the call's key and ``seqkey/<key>`` = i. (User code's hub metadata
+   calls, :mod:`patchload.patches.hub_api`, are a sequence of their own.)
 2. **A rank that is not rank 0** at its j-th call with key K first looks for ``seqkey/K``:
    there, rank 0 makes the call (now or already): it waits for rank 0's claim (which comes right
    after). Otherwise it reads the entry rank 0 publishes at the position where K belongs: its
@@ -320,7 +321,8 @@ _PLACED: dict[str, collections.OrderedDict[str, None]] = collections.defaultdict
 _PLACED_MAX: Final = 256
 
 
-def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None) -> Call:
+def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
+          metadata: bool = False) -> Call:
     """Count ``call`` in this process's sequence; on the scope's rank 0, publish it (before it
     claims). Not collective; never waits; a store failure only costs the others their wait.
 
@@ -328,11 +330,15 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None) -> C
         call: the call, from :func:`.protocol.call_key` (or the node leaders' call).
         nested: the call is made inside another coordinated call.
         facts: the process-level parts (:data:`FACTS`) its key holds.
+        metadata: a hub metadata call of user code (:mod:`patchload.patches.hub_api`), counted
+            in a sequence of its own (``<namespace>/metadata``): a listing that one rank makes
+            alone never shifts where the others look for rank 0's loads.
 
     Returns:
         ``call`` with its :class:`Placement`.
     """
-    sequence = f"{call.key.split('/', 1)[0]}/{'nested' if nested else 'top'}"
+    kind = "nested" if nested else "metadata" if metadata else "top"
+    sequence = f"{call.key.split('/', 1)[0]}/{kind}"
     with _LOCK:
         _POSITIONS[sequence] += 1
         position = _POSITIONS[sequence]

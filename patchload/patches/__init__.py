@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Final
 
 from .datasets import datasets_patches
 from .datasets_map import map_patches
+from .hub_api import hub_api_patches
 
 if TYPE_CHECKING:
     from .._patching import Patch
@@ -35,6 +36,8 @@ class LibraryPatches:
 
 
 LIBRARIES: Final = (
+    # HfApi's metadata calls (model_info, list_repo_tree, ...) made by user code.
+    LibraryPatches(package="huggingface_hub", patches=hub_api_patches),
     LibraryPatches(package="datasets", patches=datasets_patches),
     # datasets' Dataset.map: a module of its own (load_dataset's HTTP record is another job).
     LibraryPatches(package="datasets", patches=map_patches),

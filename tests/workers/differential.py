@@ -28,6 +28,8 @@ A step (every key but ``name`` and ``op`` is optional):
 * ``processor`` (``AutoProcessor``) and ``sentence_transformer`` (``SentenceTransformer``):
   the object is saved (``save_pretrained``, ``save``) into a folder of this rank's and every
   saved file recorded (``saved_files``).
+* ``hub_api``: ``huggingface_hub.<method>(repo, *args, **kwargs)`` (``via: "HfApi"``: through
+  ``HfApi(**api)``); its result's ``repr`` recorded (a generator's items, read in the op).
 * ``repo``: repo id or path (``"./ckpt"`` resolves against the rank's working directory);
   ``cls``: the transformers class for ``model`` (default ``AutoModelForCausalLM``);
   ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``).
@@ -85,6 +87,7 @@ os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{_RANK}"
 import concurrent.futures  # noqa: E402
 import contextlib  # noqa: E402
 import hashlib  # noqa: E402
+import inspect  # noqa: E402
 import logging  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
@@ -387,12 +390,24 @@ def op_snapshot_download(step: dict[str, Any]) -> dict[str, Any]:
     return {"folder": norm(str(folder)), "files": files}
 
 
+def op_hub_api(step: dict[str, Any]) -> dict[str, Any]:
+    import huggingface_hub
+
+    owner = huggingface_hub.HfApi(**step.get("api", {})) if step.get("via") == "HfApi" \
+        else huggingface_hub
+    result = getattr(owner, step["method"])(step["repo"], *step.get("args", []), **_kwargs(step))
+    if inspect.isgenerator(result):
+        return {"type": "generator", "items": [norm(repr(item)) for item in result]}
+    return {"type": type(result).__name__, "repr": norm(repr(result))}
+
+
 OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "model": op_model, "config": op_config, "generation_config": op_generation_config,
     "tokenizer": op_tokenizer, "hf_hub_download": op_hf_hub_download,
     "thread_pool": op_thread_pool, "snapshot_download": op_snapshot_download,
     "processor": op_processor, "sentence_transformer": op_sentence_transformer,
-    "train": op_train, "model_to": op_model_to, "blob_handles": op_blob_handles}
+    "train": op_train, "model_to": op_model_to, "blob_handles": op_blob_handles,
+    "hub_api": op_hub_api}
 
 
 # --- running a step -----------------------------------------------------------------------------
