@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from ._logging import get_logger
-from .coordination.beats import JOIN_AT_EXIT_S
-from .coordination.followers import pending_followers, wait_followers_done
-from .coordination.protocol import Call
+from .._logging import get_logger
+from ..coordination.beats import JOIN_AT_EXIT_S
+from ..coordination.followers import pending_followers, wait_followers_done
+from ..coordination.protocol import Call
 
 if TYPE_CHECKING:
     import torch
@@ -130,7 +130,7 @@ class OpenShares:
             self._release(share)
 
     def _release(self, share: _Share) -> None:
-        from .transport import shm
+        from . import shm
 
         with self._lock:
             if share not in self._shares:
