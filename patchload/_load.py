@@ -35,12 +35,12 @@ from ._convert import state_of_a_new_thread
 from ._errors import ConfigError
 from ._logging import get_logger
 from ._patching import Patch
-from ._tensors import Owners, entries_of, named_tensors
 from ._writes import write_patches
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
 from .transport.registry import transports
+from .transport.tensors import Owners, entries_of, named_tensors
 
 if TYPE_CHECKING:
     import torch

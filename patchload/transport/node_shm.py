@@ -17,10 +17,10 @@ import ctypes
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from .._logging import get_logger
-from .._tensors import Repoint, entries_of
 from .._writes import MappedModels
 from . import TransportError
 from .shares import OpenShares
+from .tensors import Repoint, entries_of
 
 if TYPE_CHECKING:
     import torch
