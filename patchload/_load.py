@@ -338,7 +338,7 @@ def _settle(result: Any, mode: Mode) -> Any:
             elif hasattr(tensor, "_is_hf_initialized"):
                 del tensor._is_hf_initialized
         transports().get(weights["transport"]).settle(mode.call, model, weights, tensors)
-        # The model holds them now; no other reference may pin a mapping (see _writes).
+        # The model holds them now; no other reference may pin a mapping (see mapped_models).
         mode.used["received"] = None
     return result
 

@@ -7,8 +7,8 @@ node; any other tensor is copied in, each of the leader's tensors re-pointed at 
 as it is there (so it never holds two copies). The leader keeps the blob's fd open for its
 followers (:class:`patchload.transport.shares.OpenShares`).
 Followers map it (:func:`patchload.transport.shm.attach`). Every model mapping a blob is tracked
-(:class:`patchload._writes.MappedModels`) so that its weights leave the shared copy before they
-are written.
+(:class:`patchload.transport.mapped_models.MappedModels`) so that its weights leave the shared
+copy before they are written.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import ctypes
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from .._logging import get_logger
-from .._writes import MappedModels
 from . import TransportError
+from .mapped_models import MappedModels
 from .shares import OpenShares
 from .tensors import Repoint, entries_of
 
