@@ -35,12 +35,12 @@ from ._convert import state_of_a_new_thread
 from ._errors import ConfigError
 from ._logging import get_logger
 from ._patching import Patch
-from ._tensors import Owners, entries_of, named_tensors
 from ._writes import write_patches
 from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
 from .transport.registry import transports
+from .transport.tensors import Owners, entries_of, named_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -338,7 +338,7 @@ def _settle(result: Any, mode: Mode) -> Any:
             elif hasattr(tensor, "_is_hf_initialized"):
                 del tensor._is_hf_initialized
         transports().get(weights["transport"]).settle(mode.call, model, weights, tensors)
-        # The model holds them now; no other reference may pin a mapping (see _writes).
+        # The model holds them now; no other reference may pin a mapping (see mapped_models).
         mode.used["received"] = None
     return result
 

@@ -92,9 +92,9 @@ def test_waiting_followers_and_a_thousand_calls_leave_the_store_as_it_was(
 _SHARES_AT_EXIT = """
 import gc, threading, time, torch
 from patchload import _state
-from patchload._shares import OpenShares
 from patchload._topology import current_topology
 from patchload.coordination.protocol import call_key, claim
+from patchload.transport.shares import OpenShares
 
 call, _ = claim(call_key("shares_at_exit", {}, scope="node", topology=current_topology(),
                          config=_state.config(), what="shares_at_exit()"))

@@ -812,7 +812,7 @@ def test_leader_whose_share_fails_holds_no_writable_shared_mapping(monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shm, "_share_in_arena", no_space)
-    from patchload._tensors import entries_of
+    from patchload.transport.tensors import entries_of
 
     entries, unique = entries_of(model)
     try:

@@ -935,7 +935,7 @@ def test_follower_exception_keeps_what_handlers_read():
         errnos.ENOSPC, "No space left on device", "/cache/blob.incomplete")
 
 
-# --- copy-out before writes (patchload._writes) ---------------------------------------------------
+# --- copy-out before writes (patchload.transport.mapped_models) ----------------------------------
 
 def _model_on_one_mapping():
     """Two linear layers, a tied weight and a buffer, each with a storage of its own over one
@@ -965,7 +965,7 @@ def _model_on_one_mapping():
 def test_copy_out_keeps_values_and_objects_and_refuses_what_it_cannot_keep(hold):
     import torch
 
-    from patchload._writes import MappedModels
+    from patchload.transport.mapped_models import MappedModels
 
     model, storages = _model_on_one_mapping()
     mapped = MappedModels()
@@ -1006,7 +1006,7 @@ def test_the_end_of_the_shared_copy_is_one_info_line(end, caplog):
 
     import torch
 
-    from patchload._writes import MappedModels
+    from patchload.transport.mapped_models import MappedModels
 
     model, storages = _model_on_one_mapping()
     mapped = MappedModels()

@@ -5,10 +5,10 @@ load writes them there as it converts (:meth:`ShmWeights.prepare` makes the aren
 :mod:`patchload._convert` fills it), and so does a node leader receiving a broadcast from another
 node; any other tensor is copied in, each of the leader's tensors re-pointed at the blob as soon
 as it is there (so it never holds two copies). The leader keeps the blob's fd open for its
-followers (:class:`patchload._shares.OpenShares`).
+followers (:class:`patchload.transport.shares.OpenShares`).
 Followers map it (:func:`patchload.transport.shm.attach`). Every model mapping a blob is tracked
-(:class:`patchload._writes.MappedModels`) so that its weights leave the shared copy before they
-are written.
+(:class:`patchload.transport.mapped_models.MappedModels`) so that its weights leave the shared
+copy before they are written.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import ctypes
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from .._logging import get_logger
-from .._shares import OpenShares
-from .._tensors import Repoint, entries_of
-from .._writes import MappedModels
 from . import TransportError
+from .mapped_models import MappedModels
+from .shares import OpenShares
+from .tensors import Repoint, entries_of
 
 if TYPE_CHECKING:
     import torch

@@ -4,14 +4,14 @@ A follower maps the leader's blob through the leader's open fd (``/proc/<pid>/fd
 leader keeps it open while its own model maps the blob (closing it then would free nothing: the
 mapping keeps the blob alive) and a rank of its node may still come. Once the leader's tensors
 no longer map it (``del model`` and a garbage collection, the model moved to a device or
-sharded, its weights copied out before being written: :mod:`patchload._writes`), the fd is
-closed as soon as every follower that arrived at the call is done with it (or its process is
-gone), and every rank of the node that has not arrived yet is waited for until ``_LATE_S``
-seconds after the share; from then on the blob lives only as long as some follower's tensors
-map it. A thread of the leader watches its mappings (no store request while they live); at
-exit the leader waits (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that
-arrived, then closes every blob. A rank that reaches the call after its blob is closed loads
-from the cache the leader filled (with a warning).
+sharded, its weights copied out before being written: :mod:`patchload.transport.mapped_models`),
+the fd is closed as soon as every follower that arrived at the call is done with it (or its
+process is gone), and every rank of the node that has not arrived yet is waited for until
+``_LATE_S`` seconds after the share; from then on the blob lives only as long as some
+follower's tensors map it. A thread of the leader watches its mappings (no store request
+while they live); at exit the leader waits (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for
+the followers that arrived, then closes every blob. A rank that reaches the call after its blob
+is closed loads from the cache the leader filled (with a warning).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from ._logging import get_logger
-from .coordination.beats import JOIN_AT_EXIT_S
-from .coordination.followers import pending_followers, wait_followers_done
-from .coordination.protocol import Call
+from .._logging import get_logger
+from ..coordination.beats import JOIN_AT_EXIT_S
+from ..coordination.followers import pending_followers, wait_followers_done
+from ..coordination.protocol import Call
 
 if TYPE_CHECKING:
     import torch
@@ -130,7 +130,7 @@ class OpenShares:
             self._release(share)
 
     def _release(self, share: _Share) -> None:
-        from .transport import shm
+        from . import shm
 
         with self._lock:
             if share not in self._shares:
