@@ -97,7 +97,8 @@ def test_patches_match_golden_list(tmp_path):
 # modules of its own layer or of a lower one. A module missing here fails the test: place it.
 # (After the moves of §3.4 the layers become folders: weights/, patches/, and so on.)
 FOUNDATION, COORDINATION, TRANSPORT, WEIGHTS, PATCHES, TOP, TESTING = range(7)
-LAYER_NAMES: Final = ("foundation", "coordination", "transport", "weights", "top", "testing")
+LAYER_NAMES: Final = ("foundation", "coordination", "transport", "weights", "patches", "top",
+                      "testing")
 LAYERS: Final[dict[str, int]] = {
     # foundation: settings, ranks, errors, library differences, the install's state, patching
     "patchload._config": FOUNDATION,
@@ -162,8 +163,7 @@ LAYERS: Final[dict[str, int]] = {
 ALLOWED_UPWARD: Final = frozenset()
 
 # Today's import cycles (strongly connected sets of modules, counting every kind of import):
-# beats types its arguments with protocol's Call (TYPE_CHECKING) while protocol imports beats.
-# Delete an entry when its cycle is gone; never add one.
+# None left. Delete an entry when its cycle is gone; never add one.
 ALLOWED_CYCLES: Final = frozenset()
 
 KINDS: Final = ("module", "deferred", "type")
