@@ -466,6 +466,14 @@ def requests_per_rank(job: Job, step: str, to_end: bool = False) -> dict[int | N
                                            ).items(), key=lambda kv: (kv[0] is None, kv[0])))
 
 
+def _requests_by_rank(job: Job, step: str, to_end: bool) -> str:
+    """``rank: METHOD path status, ...`` for a step's requests (what a failed count shows)."""
+    by_rank = collections.defaultdict(list)
+    for r in _window(job, step, to_end):
+        by_rank[rank_of(job, r)].append(f"{r.method} {r.path} {r.status}")
+    return _short({str(rank): lines for rank, lines in by_rank.items()}, 2000)
+
+
 def request_kinds(job: Job, step: str, to_end: bool = False) -> set[tuple[str, str, int]]:
     """The distinct ``(method, path, status)`` of a step's requests, whoever sent them."""
     return {(r.method, r.path, r.status) for r in _window(job, step, to_end)}
@@ -496,7 +504,9 @@ def request_diff(plain: Job, other: Job, group: Group, scenario: Scenario, *,
         if None in got:
             out.append(line + ": requests from no known rank")
         if sum(got.values()) > sum(want.values()) + scenario.extra_requests:
-            out.append(line + ": more in all than plain")
+            out.append(line + ": more in all than plain; plain made "
+                       + _requests_by_rank(plain, step, to_end) + "; patched made "
+                       + _requests_by_rank(other, step, to_end))
         if scenario.requests is Requests.ONE_PER_CACHE:
             senders = collections.defaultdict(list)
             for rank in got:

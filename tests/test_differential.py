@@ -245,6 +245,15 @@ def _rank_state_setup(ctx: SetupContext) -> None:
         cfg = ctx.assets / f"cwd-{rank}" / "cfg"
         cfg.mkdir(parents=True, exist_ok=True)
         (cfg / "config.json").write_text(json.dumps(mine))
+    # Warm: rank 1 loads on its own, so on a cold shared cache two ranks would race to download
+    # as three do in plain, and how many requests a race's loser makes is a matter of timing.
+    ctx.warm(ctx.assets / "rank-state-home",
+             [{"name": "model", "op": "model", "repo": "diff/rank-state"}], "rank-state")
+
+
+def _rank_state_run(ctx: RunContext) -> None:
+    _ckpt_run(ctx)
+    copy_cache(ctx.assets / "rank-state-home", ctx.homes[0])
 
 
 RANK_STATE = Scenario(
@@ -261,7 +270,7 @@ RANK_STATE = Scenario(
         # A relative config path names another config on each rank.
         {"name": "relative-config", "op": "model", "repo": "diff/rank-state",
          "cls": "LlamaForCausalLM", "kwargs": {"config": "./cfg"}},
-    ), Requests.TOTAL, setup=_rank_state_setup, per_run=_ckpt_run)
+    ), Requests.TOTAL, setup=_rank_state_setup, per_run=_rank_state_run)
 
 
 # Every rank fails as plain does: followers raise the leader's error with the plain message. A
