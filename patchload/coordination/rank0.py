@@ -15,16 +15,20 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    last call that rank 0 also made, at rank 0's position a and its own b, puts K at rank 0's
    ``a + (j - b)`` (so calls one rank makes alone shift nothing after the next shared call).
    An entry with another key there (past the keys this process calls too, from other threads
-   or in another order): rank 0 passed that position with another call, it claims at once
-   (results are equal whoever leads). No entry yet: rank 0 is behind, and it waits.
+   or in another order, and rank 0's calls it passed by before): rank 0 passed that position
+   with another call, it claims at once (results are equal whoever leads). No entry yet: rank
+   0 is behind, and it waits, unless rank 0's latest entry below that position is a call this
+   process neither made nor passed by (it counted calls rank 0 never made, such as one that
+   another rank led, and looks too far ahead): then rank 0 passed this call by too.
 3. **Rank 0 shows it will not come.** Rank 0 also publishes ``ranks/<r>/state``: its pid and
    node, its process-level key parts (hub endpoint, offline mode, credentials digest, default
    hub cache), and while it lasts more than 0.2 s that it is blocked in one of the user's
    ``torch.distributed`` collectives (``barrier``, ``broadcast``, the object collectives, ...;
    written by a watcher thread, so the user's thread never does store I/O), or (for nested
    calls) that it waits as a follower of another rank's call, and at exit that it exited. A
-   waiting rank claims at once when rank 0 is blocked, following (nested calls), exited or gone
-   (same node: its pid), or when its own key holds a process-level part that differs from rank
+   waiting rank claims at once when rank 0 exited or is gone (same node: its pid), when it is
+   blocked or following (nested calls) still 0.3 s after it first saw that (a rank 0 that has
+   just left a barrier with this rank shows it until its watcher writes again), or when its own key holds a process-level part that differs from rank
    0's (another cache or endpoint: rank 0 can never make that key; credentials are not part
    of a key, see :mod:`.credentials`). Waits are sliced
    (0.5 s), reading that state between slices: about 4 store requests per second per waiting
@@ -76,6 +80,8 @@ logger = get_logger(__name__)
 _SHOW_AFTER_S: Final = 0.2  # a collective shorter than this is never published
 _SLICE_S: Final = 0.5  # a waiting rank reads rank 0's state this often
 _RECENT: Final = 2  # a rank's latest calls rank 0 has not made (yet), to anchor on later
+_PASSED_SCAN: Final = 16  # positions below the expected one a waiting rank looks at
+_CONFIRM_S: Final = 0.3  # rank 0 shown blocked counts once it still is after this long
 _CREDENTIAL_CHECKS: Final = 8  # rank 0's calls at which it looks at the other ranks' credentials
 # Process-level key parts (coordination.key.process_state, and the default hub cache).
 FACTS: Final = ("__endpoint__", "__offline__", "__credentials__", "__cache__")
@@ -454,6 +460,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
     matched = placement is None
     fresh = False  # just matched: rank 0 published this call
     at_key = ""
+    shown_since: float | None = None  # when rank 0's state first showed it blocked or following
     if placement is not None:
         anchor = _reanchor(store, placement.sequence)
         expected = anchor.theirs + (placement.position - anchor.mine)
@@ -487,7 +494,13 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
                 _matched(placement, expected)
                 matched = fresh = True
                 continue
+            if at is None:
+                # Nothing there yet: rank 0 is behind, unless this process counted calls rank 0
+                # never made (its own alone, or led by another rank) and looks too far ahead,
+                # past where rank 0 already made another call.
+                at = _passed_below(store, placement.sequence, expected, anchor.theirs)
             if at is not None:
+                _account(placement.sequence, at)
                 return _gave_up(call, placement, f"rank {rank0} made another call at that point "
                                 f"({at})", remember=True)
         if fresh:
@@ -501,10 +514,20 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
         differs = _differs(state, placement, rank0)
         if differs is not None:  # rank 0 never makes this key: not worth anchoring on
             return _gave_up(call, placement, differs, remember=False)
-        reason = _stop(state, placement, rank0)
+        reason, lasting = _stop(state, placement, rank0)
+        now = time.monotonic()
+        if reason is not None and not lasting:
+            # Blocked or following: rank 0 shows that until its watcher writes again after the
+            # collective ends (a barrier this rank has just left too): it counts once it still
+            # shows it a moment later.
+            if shown_since is None:
+                shown_since, reason = now, None
+            elif now - shown_since < _CONFIRM_S:
+                reason = None
+        elif reason is None:
+            shown_since = None
         if reason is not None:
             return _gave_up(call, placement, reason, remember=not matched)
-        now = time.monotonic()
         if now - start >= bound_s:
             logger.warning("%s: rank %d, alive and not in a collective, has not %s within "
                            "PATCHLOAD_CLAIM_GRACE (%.0f s): claiming it here", call.prefix(),
@@ -517,8 +540,10 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
                            "(%.0f s)", call.prefix(), rank0, "claim" if matched else "reach",
                            call.what, now - start, bound_s)
             warn_at = now + (warning_s or math.inf)
+        confirm_at = shown_since + _CONFIRM_S if shown_since is not None else math.inf
         store.wait_for(leader if matched else at_key,
-                       max(0.01, min(_SLICE_S, start + bound_s - now, warn_at - now)))
+                       max(0.01, min(_SLICE_S, start + bound_s - now, warn_at - now,
+                                     confirm_at - now)))
 
 
 def _placed_here(sequence: str, key: str) -> bool:
@@ -526,20 +551,46 @@ def _placed_here(sequence: str, key: str) -> bool:
         return key in _PLACED[sequence]
 
 
-def _stop(state: dict[str, Any] | None, placement: Placement | None, rank0: int) -> str | None:
-    """Why rank 0, as its state shows, will not make the call (None: it may)."""
+def _account(sequence: str, key: str) -> None:
+    """Count rank 0's call ``key``, which this process passed by with a call of its own, as
+    seen: a later wait steps over it instead of taking it for one more call passed by."""
+    with _LOCK:
+        placed = _PLACED[sequence]
+        placed[key] = None
+        while len(placed) > _PLACED_MAX:
+            placed.popitem(last=False)
+
+
+def _passed_below(store: JobStore, sequence: str, expected: int, floor: int) -> str | None:
+    """Rank 0's latest published entry below ``expected`` (down to ``floor + 1``, the position
+    this process last matched) when it is a call this process has neither made nor passed by:
+    rank 0 made it where this call belongs, so it passed this call by. None when rank 0's
+    latest entry there is one this process knows (rank 0 is behind) or it has none there. One
+    store request per position rank 0 has not published yet, at most :data:`_PASSED_SCAN`."""
+    for position in range(expected - 1, max(floor, expected - 1 - _PASSED_SCAN), -1):
+        with store.lock:
+            at = _read(store, f"seq/{sequence}/{position}")
+        if at is not None:
+            return None if _placed_here(sequence, at) else at
+    return None
+
+
+def _stop(state: dict[str, Any] | None, placement: Placement | None,
+          rank0: int) -> tuple[str | None, bool]:
+    """Why rank 0, as its state shows, will not make the call (None: it may), and whether that
+    lasts (exited, gone) rather than being what rank 0 is doing now (blocked, following)."""
     if state is None:
-        return None
+        return None, False
     if state.get("exited"):
-        return f"rank {rank0} exited"
+        return f"rank {rank0} exited", True
     if not process_alive(str(state["node"]), int(state["pid"])):
-        return f"rank {rank0}'s process (pid {state['pid']}) is gone"
+        return f"rank {rank0}'s process (pid {state['pid']}) is gone", True
     if state.get("blocked"):
-        return f"rank {rank0} is blocked in torch.distributed.{state['blocked']}"
+        return f"rank {rank0} is blocked in torch.distributed.{state['blocked']}", False
     nested = placement is None or placement.sequence.endswith("/nested")
     if nested and state.get("following"):
-        return f"rank {rank0} is following another rank's call"
-    return None
+        return f"rank {rank0} is following another rank's call", False
+    return None, False
 
 
 def _differs(state: dict[str, Any] | None, placement: Placement | None,
