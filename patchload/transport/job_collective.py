@@ -41,14 +41,51 @@ def _members(call: Call, expected: int) -> list[int]:
     waited left it) and whose process is alive (one on this node that died while waiting is
     left out: the group would wait for it until its timeout)."""
     if expected > 0:
-        call.store.wait_for(call.key + "arrivals/all", call.config.arrival_window_s,
-                            wake=lambda: _set(call, "arrivals/all"))
+        _await_arrivals(call)
     ranks = [r for r in range(call.topology.world_size) if r != call.topology.rank]
     with call.store.lock:
         present = {r: json.loads(call.store.store.get(call.key + f"arrived/{r}"))
                    for r in ranks if call.store.store.check([call.key + f"arrived/{r}"])
                    and not call.store.store.check([call.key + f"done/{r}"])}
     return [r for r, who in present.items() if process_alive(who["node"], int(who["pid"]))]
+
+
+def _await_arrivals(call: Call) -> None:
+    """Wait at most ``PATCHLOAD_ARRIVAL_WINDOW`` seconds for every member to arrive, or less:
+    between node leaders (the hierarchy), the wait ends once each other node's leader that has
+    not arrived is blocked in one of the user's ``torch.distributed`` collectives, as its
+    published state (:mod:`patchload.coordination.rank0`) shows twice, 0.3 s apart: it arrives
+    only after this call (rank 0 first, the others in ``dist.barrier()``) and loads from the
+    cache. Under ``PATCHLOAD_TRANSPORT=collective`` the full window (other ranks publish no
+    state)."""
+    import time
+
+    store, topology, window = call.store, call.topology, call.config.arrival_window_s
+    wake = lambda: _set(call, "arrivals/all")  # noqa: E731
+    if _state.config().transport == "collective":
+        store.wait_for(call.key + "arrivals/all", window, wake=wake)
+        return
+    mine = topology.node_of(topology.rank)
+    leaders = [topology.node_ranks(n)[0] for n in range(topology.num_nodes) if n != mine]
+    deadline = time.monotonic() + window
+    blocked_since = None
+    while not store.wait_for(call.key + "arrivals/all", min(0.3, deadline - time.monotonic()),
+                             wake=wake):
+        now = time.monotonic()
+        if now >= deadline:
+            return
+        with store.lock:
+            missing = [r for r in leaders if not store.store.check([call.key + f"arrived/{r}"])]
+            states = [store.store.get(f"ranks/{r}/state")
+                      if store.store.check([f"ranks/{r}/state"]) else None for r in missing]
+        if all(raw and json.loads(raw).get("blocked") for raw in states):
+            blocked_since = now if blocked_since is None else blocked_since
+            if now - blocked_since >= 0.3:
+                logger.debug("%s: ranks %s are blocked in a collective of the user's: not "
+                             "waiting for them to arrive", call.prefix(), missing)
+                return
+        else:
+            blocked_since = None
 
 
 def _set(call: Call, name: str) -> None:
