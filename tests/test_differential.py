@@ -6,7 +6,10 @@ worker ``tests/workers/differential.py``. These jobs hold every scenario of issu
 * ``per-rank-caches`` (3 ranks, each its own ``HF_HOME``): a stale commit in rank 2's cache, a
   cache missing an optional file (rank 1), cold caches (tokenizer and model);
 * ``two-hosts`` (2 simulated hosts, each an ``srun`` task running a ``torch.multiprocessing.spawn``
-  script of 2 ranks with a process group built by hand; a cache per host): warm and cold caches;
+  script of 2 ranks with a process group built by hand; a cache per host): warm and cold caches,
+  and rank 0 loading first while the others wait in ``dist.barrier()``;
+* ``two-nodes`` (torchrun, 2 namespaced nodes x 2 ranks, a gloo process group, one ``HF_HOME``
+  the nodes share): rank 0 first by a barrier, as above (the scope comes out ``job``);
 * ``shared-cache`` (3 ranks, one ``HF_HOME``; the shm and the collective transport): the
   happy-path matrix, a rank-0-only ``local_files_only`` probe, a transient 404 then a user
   retry, hub calls from worker threads, a new head with per-rank and with equal seeds, a
@@ -420,6 +423,29 @@ SRUN_SPAWN = Scenario(
         {"name": "cold", "op": "model", "repo": "srun/cold"},
     ), Requests.ONE_PER_CACHE, setup=_srun_setup, per_run=_srun_run)
 
+# --- rank 0 first, by a barrier, on two nodes ----------------------------------------------------
+
+def _gloo_on_loopback(ctx: RunContext) -> None:
+    for rank in range(ctx.world_size):  # gloo looks up its address by the node's own hostname
+        ctx.per_rank[rank]["env"]["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+def _rank0_first(name: str, repo: str, seed: int, **kwargs: Any) -> Scenario:
+    """The hand-made pattern patchload replaces: rank 0 loads while every other rank waits in
+    ``dist.barrier()``, then the others load. Rank 0 must not wait for the other node, blocked
+    in the barrier, to decide the download scope, and the scope must come out right (see
+    ``test_rank0_first_by_a_barrier_decides_the_scope_at_once``)."""
+    return Scenario(name, (
+        {"name": "rank0", "op": "model", "repo": repo, "ranks": [0], "dist_barrier": True},
+        {"name": "others", "op": "model", "repo": repo, "ranks": [1, 2, 3]},
+    ), Requests.ONE_PER_CACHE, setup=_serve_llama(repo, seed), **kwargs)
+
+
+RANK0_FIRST_HOSTS = _rank0_first("rank0-first-hosts", "first/hosts", 24)
+RANK0_FIRST_SHARED = _rank0_first("rank0-first-shared", "first/shared", 25,
+                                  per_run=_gloo_on_loopback)
+
+
 # --- rank 0 late, or out of step ------------------------------------------------------------------
 
 def _late_setup(ctx: SetupContext) -> None:
@@ -738,7 +764,10 @@ GROUPS = (
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS), nproc=4),
-    Group("two-hosts", (SRUN_SPAWN,), homes="per-host", nproc=2, hosts=2),
+    Group("two-hosts", (SRUN_SPAWN, RANK0_FIRST_HOSTS), homes="per-host", nproc=2, hosts=2,
+          variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
+    Group("two-nodes", (RANK0_FIRST_SHARED,), homes="shared", nproc=2, nodes=2,
+          process_group=True, variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("local-dir", (LOCAL_DIR, SAVED), homes="shared", nproc=2, nodes=2,
           variants={"shm": {"PLT_RECORD_ATTACHES": "1"}}),
     Group("shared-cache", (HAPPY, PROBE, RETRY, THREADS, NEW_HEAD, CONFIG_REPR, RELATIVE_CKPT,
@@ -967,6 +996,27 @@ def test_a_call_rank0_never_makes_waits_nothing_while_rank0_is_in_a_barrier(
     step = "rank1-alone/config"
     assert _call_s(patched, 1, step) <= _call_s(plain, 1, step) + 1.0, (
         _call_s(plain, 1, step), _call_s(patched, 1, step))
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("group,scenario,scope", [
+    ("two-hosts", RANK0_FIRST_HOSTS.name, "node"), ("two-nodes", RANK0_FIRST_SHARED.name, "job")])
+def test_rank0_first_by_a_barrier_decides_the_scope_at_once(
+        harness: Harness, group: str, scenario: str, scope: str) -> None:
+    """Two nodes of two ranks; rank 0 loads while the others wait in ``dist.barrier()``, then
+    they load. Rank 0's load takes at most 1.2x plain (+1 s: patchload's set-up on a tiny
+    model): it never waits for the other node to decide the download scope. The scope is right:
+    on a cache per host (``node``) node 1's leader, rank 2, downloads and ranks 1 and 3 make no
+    request; on one cache the nodes share (``job``) no rank makes a request after rank 0."""
+    _skip_if_no_hosts(group)
+    plain, patched = harness.side(group, "plain"), harness.side(group, "shm")
+    step = f"{scenario}/rank0"
+    assert _call_s(patched, 0, step) <= 1.2 * _call_s(plain, 0, step) + 1.0, (
+        _call_s(plain, 0, step), _call_s(patched, 0, step))
+    senders = set(requests_per_rank(patched, f"{scenario}/others"))
+    assert senders == ({2} if scope == "node" else set()), senders
+    if scope == "job":  # on a cache per host no store spans the nodes at rank 0's call: no line
+        assert "[rank 0] download scope job" in "\n".join(patched.outputs), patched.outputs
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
