@@ -26,9 +26,8 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    ``torch.distributed`` collectives (``barrier``, ``broadcast``, the object collectives, ...;
    written by a watcher thread, so the user's thread never does store I/O), or (for nested
    calls) that it waits as a follower of another rank's call, and at exit that it exited. A
-   waiting rank claims at once when rank 0 exited or is gone (same node: its pid), when it is
-   blocked or following (nested calls) still 0.3 s after it first saw that (a rank 0 that has
-   just left a barrier with this rank shows it until its watcher writes again), or when its own key holds a process-level part that differs from rank
+   waiting rank claims at once when rank 0 is blocked, following (nested calls), exited or gone
+   (same node: its pid), or when its own key holds a process-level part that differs from rank
    0's (another cache or endpoint: rank 0 can never make that key; credentials are not part
    of a key, see :mod:`.credentials`). Waits are sliced
    (0.5 s), reading that state between slices: about 4 store requests per second per waiting
@@ -81,7 +80,6 @@ _SHOW_AFTER_S: Final = 0.2  # a collective shorter than this is never published
 _SLICE_S: Final = 0.5  # a waiting rank reads rank 0's state this often
 _RECENT: Final = 2  # a rank's latest calls rank 0 has not made (yet), to anchor on later
 _PASSED_SCAN: Final = 16  # positions below the expected one a waiting rank looks at
-_CONFIRM_S: Final = 0.3  # rank 0 shown blocked counts once it still is after this long
 _CREDENTIAL_CHECKS: Final = 8  # rank 0's calls at which it looks at the other ranks' credentials
 # Process-level key parts (coordination.key.process_state, and the default hub cache).
 FACTS: Final = ("__endpoint__", "__offline__", "__credentials__", "__cache__")
@@ -460,7 +458,6 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
     matched = placement is None
     fresh = False  # just matched: rank 0 published this call
     at_key = ""
-    shown_since: float | None = None  # when rank 0's state first showed it blocked or following
     if placement is not None:
         anchor = _reanchor(store, placement.sequence)
         expected = anchor.theirs + (placement.position - anchor.mine)
@@ -514,20 +511,10 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
         differs = _differs(state, placement, rank0)
         if differs is not None:  # rank 0 never makes this key: not worth anchoring on
             return _gave_up(call, placement, differs, remember=False)
-        reason, lasting = _stop(state, placement, rank0)
-        now = time.monotonic()
-        if reason is not None and not lasting:
-            # Blocked or following: rank 0 shows that until its watcher writes again after the
-            # collective ends (a barrier this rank has just left too): it counts once it still
-            # shows it a moment later.
-            if shown_since is None:
-                shown_since, reason = now, None
-            elif now - shown_since < _CONFIRM_S:
-                reason = None
-        elif reason is None:
-            shown_since = None
+        reason = _stop(state, placement, rank0)
         if reason is not None:
             return _gave_up(call, placement, reason, remember=not matched)
+        now = time.monotonic()
         if now - start >= bound_s:
             logger.warning("%s: rank %d, alive and not in a collective, has not %s within "
                            "PATCHLOAD_CLAIM_GRACE (%.0f s): claiming it here", call.prefix(),
@@ -540,10 +527,8 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
                            "(%.0f s)", call.prefix(), rank0, "claim" if matched else "reach",
                            call.what, now - start, bound_s)
             warn_at = now + (warning_s or math.inf)
-        confirm_at = shown_since + _CONFIRM_S if shown_since is not None else math.inf
         store.wait_for(leader if matched else at_key,
-                       max(0.01, min(_SLICE_S, start + bound_s - now, warn_at - now,
-                                     confirm_at - now)))
+                       max(0.01, min(_SLICE_S, start + bound_s - now, warn_at - now)))
 
 
 def _placed_here(sequence: str, key: str) -> bool:
@@ -575,22 +560,20 @@ def _passed_below(store: JobStore, sequence: str, expected: int, floor: int) -> 
     return None
 
 
-def _stop(state: dict[str, Any] | None, placement: Placement | None,
-          rank0: int) -> tuple[str | None, bool]:
-    """Why rank 0, as its state shows, will not make the call (None: it may), and whether that
-    lasts (exited, gone) rather than being what rank 0 is doing now (blocked, following)."""
+def _stop(state: dict[str, Any] | None, placement: Placement | None, rank0: int) -> str | None:
+    """Why rank 0, as its state shows, will not make the call (None: it may)."""
     if state is None:
-        return None, False
+        return None
     if state.get("exited"):
-        return f"rank {rank0} exited", True
+        return f"rank {rank0} exited"
     if not process_alive(str(state["node"]), int(state["pid"])):
-        return f"rank {rank0}'s process (pid {state['pid']}) is gone", True
+        return f"rank {rank0}'s process (pid {state['pid']}) is gone"
     if state.get("blocked"):
-        return f"rank {rank0} is blocked in torch.distributed.{state['blocked']}", False
+        return f"rank {rank0} is blocked in torch.distributed.{state['blocked']}"
     nested = placement is None or placement.sequence.endswith("/nested")
     if nested and state.get("following"):
-        return f"rank {rank0} is following another rank's call", False
-    return None, False
+        return f"rank {rank0} is following another rank's call"
+    return None
 
 
 def _differs(state: dict[str, Any] | None, placement: Placement | None,

@@ -76,9 +76,9 @@ def _await_arrivals(call: Call) -> None:
             return
         with store.lock:
             missing = [r for r in leaders if not store.store.check([call.key + f"arrived/{r}"])]
-            states = [store.store.get(f"ranks/{r}/state")
+            states = [json.loads(store.store.get(f"ranks/{r}/state"))
                       if store.store.check([f"ranks/{r}/state"]) else None for r in missing]
-        if all(raw and json.loads(raw).get("blocked") for raw in states):
+        if all(state and state.get("blocked") for state in states):
             blocked_since = now if blocked_since is None else blocked_since
             if now - blocked_since >= 0.3:
                 logger.debug("%s: ranks %s are blocked in a collective of the user's: not "
