@@ -1079,3 +1079,36 @@ def test_credentials_repos_of_pins_and_when_credentials_matter(monkeypatch):
     assert call_credentials({"local_files_only": True}) is None
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert call_credentials({}) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_counted_a_call_rank0_never_made_does_not_wait_out_the_claim_grace():
+    """Rank 1 counted a call that another rank led and rank 0 never made, so at its next call
+    (one rank 0 passed by with a call of its own, as when every rank loads its own ``./ckpt``)
+    it looks for rank 0's entry one position too far, where rank 0 has none. Rank 0's latest
+    entry below shows that it passed the call by: rank 1 claims at once, not after
+    ``PATCHLOAD_CLAIM_GRACE`` (CI: a follower waited the 120 s there)."""
+    import dataclasses
+    import time
+    import uuid
+
+    from patchload.coordination import rank0
+
+    _, call_of = _two_rank_calls("passed", Config(claim_grace_s=20.0, progress_warning_s=None))
+    namespace, zero, one = f"u{uuid.uuid4().hex[:8]}", call_of(0), call_of(1)
+
+    def key(name: str) -> str:
+        return f"{namespace}/{name}/"
+
+    for position, name in ((1, "shared"), (2, "own-ckpt-0")):  # rank 0's entries (rank0._publish)
+        zero.store.store.multi_set([f"seqkey/{key(name)}", f"seq/{namespace}/top/{position}"],
+                                   [str(position), key(name)])
+    zero.store.store.set(key("shared") + "leader", "rank 0")
+    zero.store.store.set(key("led-by-rank-2") + "leader", "rank 2")
+    for name, holder in (("shared", "rank 0"), ("led-by-rank-2", "rank 2")):
+        placed = rank0.place(dataclasses.replace(one, key=key(name)), nested=False)
+        assert rank0.await_rank0(placed) == holder  # the claim is there: one request
+    mine = rank0.place(dataclasses.replace(one, key=key("own-ckpt-1")), nested=False)
+    start = time.monotonic()
+    assert rank0.await_rank0(mine) is None  # this rank claims
+    assert time.monotonic() - start < 2.0
