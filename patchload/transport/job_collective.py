@@ -15,6 +15,7 @@ its load succeeded, so the files are in the cache; the warning names the ranks f
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import _state
@@ -58,10 +59,11 @@ def _await_arrivals(call: Call) -> None:
     only after this call (rank 0 first, the others in ``dist.barrier()``) and loads from the
     cache. Under ``PATCHLOAD_TRANSPORT=collective`` the full window (other ranks publish no
     state)."""
-    import time
-
     store, topology, window = call.store, call.topology, call.config.arrival_window_s
-    wake = lambda: _set(call, "arrivals/all")  # noqa: E731
+
+    def wake() -> None:
+        _set(call, "arrivals/all")
+
     if _state.config().transport == "collective":
         store.wait_for(call.key + "arrivals/all", window, wake=wake)
         return
