@@ -346,10 +346,7 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
     with _LOCK:
         _POSITIONS[sequence] += 1
         position = _POSITIONS[sequence]
-        placed = _PLACED[sequence]
-        placed[call.key] = None
-        while len(placed) > _PLACED_MAX:
-            placed.popitem(last=False)
+    _account(sequence, call.key)
     facts = facts or {}
     call = dataclasses.replace(call, placement=Placement(
         sequence, position, tuple(sorted(facts.items()))))
@@ -537,8 +534,9 @@ def _placed_here(sequence: str, key: str) -> bool:
 
 
 def _account(sequence: str, key: str) -> None:
-    """Count rank 0's call ``key``, which this process passed by with a call of its own, as
-    seen: a later wait steps over it instead of taking it for one more call passed by."""
+    """Count ``key`` as known to this process in ``sequence``: a call it makes, or rank 0's
+    call it passed by with one of its own. A later wait steps over rank 0's entries of such
+    keys instead of taking them for a call passed by (the latest :data:`_PLACED_MAX` kept)."""
     with _LOCK:
         placed = _PLACED[sequence]
         placed[key] = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Final
 
 from .. import _state
 from .._logging import get_logger
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["CollectiveWeights", "share_collective", "receive_collective"]
 
 logger = get_logger(__name__)
+_BLOCKED_SHOWN_S: Final = 0.3  # a node leader shown blocked this long is not waited for
 
 def _members(call: Call, expected: int) -> list[int]:
     """The followers that arrived at ``call`` within the arrival window (all ``expected`` of
@@ -64,15 +65,15 @@ def _await_arrivals(call: Call) -> None:
     def wake() -> None:
         _set(call, "arrivals/all")
 
-    if _state.config().transport == "collective":
+    if call.config.transport == "collective":
         store.wait_for(call.key + "arrivals/all", window, wake=wake)
         return
     mine = topology.node_of(topology.rank)
     leaders = [topology.node_ranks(n)[0] for n in range(topology.num_nodes) if n != mine]
     deadline = time.monotonic() + window
     blocked_since = None
-    while not store.wait_for(call.key + "arrivals/all", min(0.3, deadline - time.monotonic()),
-                             wake=wake):
+    while not store.wait_for(call.key + "arrivals/all",
+                             min(_BLOCKED_SHOWN_S, deadline - time.monotonic()), wake=wake):
         now = time.monotonic()
         if now >= deadline:
             return
@@ -82,7 +83,7 @@ def _await_arrivals(call: Call) -> None:
                       if store.store.check([f"ranks/{r}/state"]) else None for r in missing]
         if all(state and state.get("blocked") for state in states):
             blocked_since = now if blocked_since is None else blocked_since
-            if now - blocked_since >= 0.3:
+            if now - blocked_since >= _BLOCKED_SHOWN_S:
                 logger.debug("%s: ranks %s are blocked in a collective of the user's: not "
                              "waiting for them to arrive", call.prefix(), missing)
                 return
