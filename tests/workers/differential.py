@@ -373,6 +373,16 @@ def op_thread_pool(step: dict[str, Any]) -> dict[str, Any]:
     return {"files": [download_record(p) for p in paths]}
 
 
+def _download_metadata(path: Path) -> list[str]:
+    """A local_dir metadata file's commit and etag, read under huggingface_hub's lock: another
+    rank of the node, which shares the folder, may be rewriting it (``open("w")`` empties it
+    first), and an unlocked read then sees an empty file where plain and patched agree."""
+    from huggingface_hub.utils import WeakFileLock
+
+    with WeakFileLock(path.with_suffix(".lock")):
+        return path.read_text().splitlines()[:2]
+
+
 def op_snapshot_download(step: dict[str, Any]) -> dict[str, Any]:
     from huggingface_hub import snapshot_download
 
@@ -384,7 +394,7 @@ def op_snapshot_download(step: dict[str, Any]) -> dict[str, Any]:
             continue
         if name.startswith(".cache/"):  # a local_dir's download metadata: commit and etag
             if name.endswith(".metadata"):  # (its third line is a time)
-                files[name] = path.read_text().splitlines()[:2]
+                files[name] = _download_metadata(path)
             continue
         files[name] = file_sha(path)
     return {"folder": norm(str(folder)), "files": files}
