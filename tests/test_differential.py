@@ -1010,9 +1010,12 @@ def test_rank0_first_by_a_barrier_decides_the_scope_at_once(
     """Two nodes of two ranks; rank 0 loads while the others wait in ``dist.barrier()``, then
     they load. Rank 0's load takes at most 1.2x plain (+1 s: patchload's set-up on a tiny
     model): it never waits for the other node to decide the download scope. The scope is right:
-    on a cache per host (``node``) one rank of node 1 downloads (rank 2, its rank 0, should;
-    rank 3 sometimes leads instead, not yet explained) and rank 1 makes no request; on one cache
-    the nodes share (``job``) no rank makes a request after rank 0."""
+    on a cache per host (``node``) one rank of node 1 downloads and rank 1 makes no request; on
+    one cache the nodes share (``job``) no rank makes a request after rank 0. Which rank of node 1
+    downloads is a race: these hosts build their group by hand (``mp.spawn`` under ``srun``), so
+    no launcher names a rank of each node, patchload's topology is one node of four ranks
+    (``_topology._from_process_group``), and on host 1, which holds no rank 0, the first rank to
+    claim the call leads it (docs/design.md)."""
     _skip_if_no_hosts(group)
     plain, patched = harness.side(group, "plain"), harness.side(group, "shm")
     step = f"{scenario}/rank0"
