@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Final
 
 from .datasets import datasets_patches
 from .datasets_map import map_patches
+from .evaluate import evaluate_patches
 from .hub_api import hub_api_patches
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ LIBRARIES: Final = (
     LibraryPatches(package="datasets", patches=datasets_patches),
     # datasets' Dataset.map: a module of its own (load_dataset's HTTP record is another job).
     LibraryPatches(package="datasets", patches=map_patches),
+    # evaluate's module fetch (evaluate.load): its requests go through `requests`, not httpx.
+    LibraryPatches(package="evaluate", patches=evaluate_patches),
 )
 
 
