@@ -148,6 +148,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.patches": PATCHES,
     "patchload.patches.datasets": PATCHES,
     "patchload.patches.datasets_map": PATCHES,
+    "patchload.patches.evaluate": PATCHES,
     "patchload.patches.hub_api": PATCHES,
     # top: the public API and doctor
     "patchload": TOP,
