@@ -130,8 +130,10 @@ def test_followers_send_no_request(jobs: dict[str, Job], step: str) -> None:
         assert any("followed rank 0: no request" in line for line in record["lines"]), record
         plain = _record(jobs["plain"], rank, step)
         assert plain["sent"] and _hub_requests(jobs["plain"], step, rank), (rank, step)
-    # The leader sends what its plain call sends.
-    assert len(_record(job, 0, step)["sent"]) == len(_record(jobs["plain"], 0, step)["sent"])
+    # The leader sends what plain ranks send (which of them downloads a file is a race).
+    leader = _record(job, 0, step)["sent"]
+    assert leader and set(leader) <= {request for rank in range(3)
+                                      for request in _record(jobs["plain"], rank, step)["sent"]}
 
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT_S)
