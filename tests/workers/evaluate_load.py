@@ -26,7 +26,7 @@ STEPS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "missing": (("no-such-metric",), {}),
     "accuracy": (("accuracy",), {}),
     "accuracy_again": (("accuracy",), {}),
-    "community": (("org/exact-match",), {}),
+    "community": (("org/exact_match",), {}),
 }
 
 
