@@ -1139,3 +1139,32 @@ def test_a_rank_that_counted_a_call_rank0_never_made_does_not_wait_out_the_claim
     start = time.monotonic()
     assert rank0.await_rank0(mine) is None  # this rank claims
     assert time.monotonic() - start < 2.0
+
+
+def test_a_leaders_transport_error_is_rebuilt_of_its_class_or_not_at_all() -> None:
+    """A follower replaying the leader's HTTP record raises the leader's transport error of its
+    own class (httpx's with the follower's request; evaluate's requests errors from the message
+    alone), and a class from another package, or one not built from a message, is a replay miss
+    (the follower then makes the plain call), never an error of another class."""
+    import requests
+
+    from patchload.coordination.replay import ReplayMiss, rebuilt_error
+
+    try:  # huggingface_hub 2's client; 1.x's is httpx
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+
+    def recorded(err: BaseException) -> dict[str, str]:
+        return {"module": type(err).__module__, "qualname": type(err).__qualname__,
+                "message": str(err)}
+
+    request = httpx.Request("GET", "http://127.0.0.1:1/api/models/x")
+    err = rebuilt_error(recorded(httpx.ConnectError("refused")), "GET x", ("httpx", "httpx2"),
+                        request=request)
+    assert type(err) is httpx.ConnectError and str(err) == "refused" and err.request is request
+    err = rebuilt_error(recorded(requests.ConnectionError("refused")), "HEAD x", ("requests",))
+    assert type(err) is requests.ConnectionError and str(err) == "refused"
+    assert isinstance(rebuilt_error(recorded(KeyError("k")), "GET x", ("httpx",)), ReplayMiss)
+    unbuildable = {"module": "json", "qualname": "JSONDecodeError", "message": "m"}
+    assert isinstance(rebuilt_error(unbuildable, "GET x", ("json",)), ReplayMiss)

@@ -27,7 +27,7 @@ from .._logging import get_logger
 from .._patching import Patch
 
 __all__ = ["History", "HISTORY", "LeaderAnswers", "Record", "Replay", "ReplayMiss",
-           "answer_key", "current_replay", "http_patches", "recordable", "recording",
+           "rebuilt_error", "answer_key", "current_replay", "http_patches", "recordable", "recording",
            "is_answer", "recording_active", "replaying", "request_key"]
 
 logger = get_logger(__name__)
@@ -228,26 +228,34 @@ def _response(entry: dict[str, Any], request: Any, key: str) -> Any:
     recorded transport error raised again."""
     package = sys.modules[type(request).__module__.partition(".")[0]]
     if "error" in entry:
-        raise _rebuilt_error(entry["error"], request, key)
+        raise rebuilt_error(entry["error"], key, _HTTP_PACKAGES, request=request)
     headers = [(name, value) for name, value in entry["headers"]
                if name.lower() not in _UNREPLAYED_HEADERS]
     return package.Response(entry["status"], headers=headers,
                             content=base64.b64decode(entry["content"]), request=request)
 
 
-def _rebuilt_error(error: dict[str, str], request: Any, key: str) -> BaseException:
-    """The leader's transport error (a connection refused, a timeout), of its class."""
+def rebuilt_error(error: dict[str, str], key: str, packages: tuple[str, ...],
+                  **kwargs: Any) -> BaseException:
+    """The leader's recorded error of request ``key`` (``{"module", "qualname", "message"}``:
+    a connection refused, a timeout) as an instance of its class, built from its message and
+    ``kwargs`` (from its message alone where the class takes no such keyword); a
+    :class:`ReplayMiss` where the class is not from one of ``packages`` (top-level names) or
+    cannot be built so."""
     cls: Any = sys.modules.get(error["module"]) \
-        if error["module"].partition(".")[0] in _HTTP_PACKAGES else None
+        if error["module"].partition(".")[0] in packages else None
     for part in error["qualname"].split("."):
         cls = getattr(cls, part, None)
+    miss = ReplayMiss(f"the leader's request {key} raised {error['qualname']}, which cannot be "
+                      "rebuilt here")
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        return ReplayMiss(f"the leader's request {key} raised {error['qualname']}, which "
-                          "cannot be rebuilt here")
-    try:
-        return cls(error["message"], request=request)
-    except TypeError:
-        return cls(error["message"])
+        return miss
+    for extra in ((kwargs, {}) if kwargs else ({},)):
+        try:
+            return cls(error["message"], **extra)
+        except Exception:  # noqa: BLE001 - a class that takes other arguments
+            continue
+    return miss
 
 
 @contextlib.contextmanager

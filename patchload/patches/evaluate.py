@@ -36,12 +36,11 @@ import contextlib
 import contextvars
 import functools
 import inspect
-import sys
 from typing import Any, Callable, Final, Iterator
 
 from .._patching import Patch
 from ..coordination.call import VerificationFailed, coordinated, current_mode, plain
-from ..coordination.replay import ReplayMiss
+from ..coordination.replay import ReplayMiss, rebuilt_error
 
 __all__ = ["evaluate_patches"]
 
@@ -82,7 +81,7 @@ class _Replay:
             raise ReplayMiss(f"the leader made no request {key} (or did not record it)")
         entry = queue.pop(0) if len(queue) > 1 else queue[0]
         if "error" in entry:
-            raise _rebuilt_error(entry["error"], key)
+            raise rebuilt_error(entry["error"], key, _ERROR_PACKAGES)
         import requests
         from requests.structures import CaseInsensitiveDict
 
@@ -93,21 +92,6 @@ class _Replay:
         response.reason = entry["reason"]
         response._content = b""  # a HEAD: no body
         return response
-
-
-def _rebuilt_error(error: dict[str, str], key: str) -> BaseException:
-    cls: Any = sys.modules.get(error["module"]) \
-        if error["module"].partition(".")[0] in _ERROR_PACKAGES else None
-    for part in error["qualname"].split("."):
-        cls = getattr(cls, part, None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        return ReplayMiss(f"the leader's request {key} raised {error['qualname']}, which "
-                          "cannot be rebuilt here")
-    try:
-        return cls(error["message"])
-    except Exception:  # noqa: BLE001 - a class that takes other arguments
-        return ReplayMiss(f"the leader's request {key} raised {error['qualname']}, which "
-                          "cannot be rebuilt here")
 
 
 def _request(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
