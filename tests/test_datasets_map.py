@@ -59,6 +59,7 @@ def map_hub(tmp_path_factory: pytest.TempPathFactory) -> Any:
     folder = _write_repo(root)
     with LoopbackHub(log_path=root / "requests.jsonl") as hub:
         hub.add_repo("org/ds-map", folder, repo_type="dataset")
+        hub.add_repo("org/ds-first", folder, repo_type="dataset")
         yield hub
 
 
@@ -228,3 +229,35 @@ def test_per_rank_datasets_caches_map_each_their_own(
         assert record["calls"] == 40, rank
         assert not any("followed" in line for line in record["lines"]), record["lines"]
         assert record["elapsed_s"] < 30, record["elapsed_s"]
+
+
+@pytest.fixture(scope="module")
+def trainer_jobs(map_hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, Job]:
+    """The ``trainer_first`` step alone (after the job's first load), plain and patched, each
+    on a cold cache."""
+    root = tmp_path_factory.mktemp("ds-map-trainer")
+    return {"plain": _run(map_hub, root / "plain-home", root / "plain", ("trainer_first",),
+                          PATCHLOAD="0"),
+            "patched": _run(map_hub, root / "home", root / "patched", ("trainer_first",))}
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_a_trainer_scripts_main_process_first_preprocessing_equals_plain(
+        trainer_jobs: dict[str, Job]) -> None:
+    """``load_dataset`` and a tokenizer map inside ``TrainingArguments.main_process_first()``
+    (rank 0 first, the others in the user's ``dist.barrier()``): no deadlock, every rank's
+    dataset equals its plain one, the followers send no request and run no function."""
+    for rank in range(NPROC):
+        plain = _record(trainer_jobs["plain"], rank, "trainer_first")
+        patched = _record(trainer_jobs["patched"], rank, "trainer_first")
+        assert plain.get("ok"), (rank, plain.get("error"))
+        assert patched.get("ok"), (rank, patched.get("error"))
+        assert patched["value"] == plain["value"], rank
+    patched = trainer_jobs["patched"]
+    assert _record(patched, 0, "trainer_first")["calls"] > 0
+    assert [_record(patched, r, "trainer_first")["calls"] for r in range(1, NPROC)] == [0, 0]
+    senders = {r.rank for r in patched.window("trainer_first")}
+    assert senders == {0}, senders
+    # Plain, the ranks after rank 0 ask the hub too (datasets resolves the repo online).
+    assert {r.rank for r in trainer_jobs["plain"].window("trainer_first")} > {0}

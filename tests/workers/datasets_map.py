@@ -101,6 +101,21 @@ def unhashable(example: dict[str, Any]) -> dict[str, Any]:
     return {"n": len(example["text"])}
 
 
+def _trainer_first() -> Any:
+    """A Trainer script's preprocessing (``run_clm.py``'s shape): ``load_dataset`` of a repo
+    not loaded before and a tokenizer map inside ``TrainingArguments.main_process_first()``,
+    whose ``dist.barrier()`` holds the other ranks until rank 0 is done (its arguments build
+    the process group, gloo on CPU)."""
+    import datasets
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(_common.OUT / f"trainer-{_common.RANK}"),
+                             report_to=[], use_cpu=True)
+    with args.main_process_first(desc="dataset map pre-processing"):
+        train = datasets.load_dataset("org/ds-first")["train"]
+        return train.map(tokenize, batched=True, batch_size=4)
+
+
 def _steps(dd: Any) -> dict[str, Any]:
     import datasets
 
@@ -119,6 +134,7 @@ def _steps(dd: Any) -> dict[str, Any]:
         "no_update": lambda: train.map(inspect_only),
         "leader_killed": lambda: train.map(kill_rank0),
         "raises": lambda: train.map(raises),
+        "trainer_first": _trainer_first,
     }
 
 
