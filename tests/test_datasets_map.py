@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import _nodes
 from _launch import (Job, check_same_error_everywhere, free_port, job_env, run_torchrun,
                      start_ranks, wait_ranks)
 from patchload.testing import LoopbackHub
@@ -261,3 +262,46 @@ def test_a_trainer_scripts_main_process_first_preprocessing_equals_plain(
     assert senders == {0}, senders
     # Plain, the ranks after rank 0 ask the hub too (datasets resolves the repo online).
     assert {r.rank for r in trainer_jobs["plain"].window("trainer_first")} > {0}
+
+
+# --- two nodes ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def node_jobs(map_hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[tuple[str, str], Job]:
+    """Two namespaced nodes of two ranks (the first load, then ``tokenize``), plain and patched,
+    on one ``HF_HOME`` the nodes share (job scope) and on a node-local one each (node scope)."""
+    if reason := _nodes.unavailable():
+        pytest.skip(f"simulated nodes need root and unshare(1): {reason}")
+    root = tmp_path_factory.mktemp("ds-map-nodes")
+    jobs = {}
+    for layout in ("shared", "node-local"):
+        for side, extra in (("plain", {"PATCHLOAD": "0"}), ("patched", {})):
+            home = _nodes.NODE_LOCAL / "hf" if layout == "node-local" \
+                else root / f"{layout}-{side}-home"
+            out = root / f"{layout}-{side}"
+            out.mkdir(parents=True)
+            job = run_torchrun(map_hub, "datasets_map", ["--steps", "tokenize"], nproc=2,
+                               nnodes=2, env=job_env(map_hub.endpoint, home, out, **extra),
+                               timeout_s=JOB_TIMEOUT_S, hosts="namespaced")
+            assert job.returncodes == [0, 0], "\n".join(job.outputs)
+            jobs[layout, side] = job
+    return jobs
+
+
+@pytest.mark.timeout(6 * JOB_TIMEOUT_S)
+@pytest.mark.parametrize("layout,senders", [("shared", {0}), ("node-local", {0, 2})])
+def test_two_nodes_load_once_per_cache_and_map_once_per_node(
+        node_jobs: dict[tuple[str, str], Job], layout: str, senders: set[int]) -> None:
+    """On two nodes ``load_dataset`` asks the hub once per cache (rank 0 alone where the nodes
+    share one ``HF_HOME``, each node's rank 0 with a node-local one) and the map's function
+    runs on each node's rank 0 (a map is node-scoped: docs/datasets.md); every rank's dataset
+    equals its plain one."""
+    plain, patched = node_jobs[layout, "plain"], node_jobs[layout, "patched"]
+    for rank in range(4):
+        want, got = _record(plain, rank, "tokenize"), _record(patched, rank, "tokenize")
+        assert want.get("ok") and got.get("ok"), (rank, want.get("error"), got.get("error"))
+        assert got["value"] == want["value"], (layout, rank)
+    assert {r for r in range(4) if _record(patched, r, "tokenize")["calls"] > 0} == {0, 2}
+    assert {r.rank for r in patched.window("load")} == senders
+    assert {r.rank for r in plain.window("load")} == {0, 1, 2, 3}
