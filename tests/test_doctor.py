@@ -67,8 +67,11 @@ def test_no_launcher_full_report_with_every_patch(tmp_path):
                  "transformers.dynamic_module_utils.get_cached_module_file"):
         assert f"  {name}" in listed, name
     # Other libraries' patches: pending until their module is imported.
-    assert lines[installed + 1 + count] == ("patches pending: 17 (each lands when its module is "
+    assert lines[installed + 1 + count] == ("patches pending: 19 (each lands when its module is "
                                             "first imported)")
+    evaluate = "" if importlib.util.find_spec("evaluate") else " (evaluate is not installed)"
+    assert ("  evaluate.loading.evaluation_module_factory: pending until evaluate.loading is "
+            f"imported{evaluate}") in lines
     peft = "" if importlib.util.find_spec("peft") else " (peft is not installed)"
     assert ("  peft.peft_model.PeftModel.from_pretrained: pending until peft.peft_model is "
             f"imported{peft}") in lines
