@@ -970,15 +970,11 @@ def _call_s(job: Any, rank: int, step: str) -> float:
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_late_rank0_leads_every_call(harness: Harness) -> None:
     """Rank 0 late by 2, 8 and 30 s (its own work before the call): it makes every hub request
-    of each call, the others none (they wait for it: it is alive and makes the call), and
-    their 40 s of waiting print nothing of torch's (a timed-out store wait logs c10d warnings)."""
+    of each call, the others none (they wait for it: it is alive and makes the call)."""
     patched = harness.side("rank0-late", "shm")
     for step in LATE_RANK0.step_names():
         per_rank = requests_per_rank(patched, step)
         assert set(per_rank) == {0}, f"{step}: requests per rank {per_rank}"
-    noisy = [line for text in patched.outputs for line in text.splitlines()
-             if "waitForInput" in line]
-    assert not noisy, noisy[:4]
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

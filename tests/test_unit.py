@@ -277,33 +277,6 @@ def _two_rank_calls(name: str, config: Config | None = None):
 
 
 @pytest.mark.timeout(60)
-def test_a_wait_between_reads_of_rank0s_state_prints_nothing_of_torchs(capfd) -> None:
-    """A follower's wait for rank 0's claim, between two reads of its state
-    (``JobStore.poll_for``), ends on its bound with nothing on stderr (a ``Store.wait`` that
-    times out makes torch's store client print two ``[c10d] waitForInput`` warnings), and
-    returns soon after the key is set."""
-    import threading
-    import time
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from patchload.coordination.store import JobStore
-
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
-    client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                           timeout=timedelta(seconds=30))
-    job = JobStore(client, "agent", threading.RLock())
-    for _ in range(3):
-        assert job.poll_for("t/claim", 0.3) is False
-    threading.Timer(0.2, lambda: server.set("t/claim", "0")).start()
-    start = time.monotonic()
-    assert job.poll_for("t/claim", 10) is True
-    assert time.monotonic() - start < 1.0
-    assert "waitForInput" not in capfd.readouterr().err
-
-
-@pytest.mark.timeout(60)
 def test_a_follower_whose_leader_failed_after_announcing_its_files_runs_its_own_part():
     """A model load's follower that arrived before its leader failed, and looked only after
     (still in its ``idle`` work), runs its own part of the call as one that looked earlier does:

@@ -524,7 +524,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
                            "(%.0f s)", call.prefix(), rank0, "claim" if matched else "reach",
                            call.what, now - start, bound_s)
             warn_at = now + (warning_s or math.inf)
-        store.poll_for(leader if matched else at_key,
+        store.wait_for(leader if matched else at_key,
                        max(0.01, min(_SLICE_S, start + bound_s - now, warn_at - now)))
 
 

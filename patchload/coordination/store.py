@@ -135,28 +135,6 @@ class JobStore:
             raise
         return found[0]
 
-    def poll_for(self, key: str, timeout_s: float) -> bool:
-        """Whether ``key`` exists within ``timeout_s`` seconds: a ``check`` on the shared client
-        (under ``lock``) every ``_POLL_S`` (0.05 s) until then. Not collective.
-
-        For the waits expected to end on their bound (a slice between two reads of another
-        rank's state): a store ``wait`` that times out makes torch's store client print two
-        ``[c10d] waitForInput ... timed out`` warnings on stderr, where a plain rank prints
-        none. Signal handlers run between checks.
-
-        Raises:
-            RuntimeError: the store failed (``torch.distributed.Store.check``).
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self.lock:
-                if self.store.check([key]):
-                    return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(_POLL_S, left))
-
     def _wait_for(self, key: str, timeout_s: float) -> bool:
         """:meth:`wait_for` on the calling thread (blocks signal handlers while it waits)."""
         from datetime import timedelta
@@ -213,7 +191,6 @@ _PG_LOCK = threading.RLock()
 # (time.monotonic()): joined at exit, before the stores close.
 _WAITERS: dict[threading.Thread, float] = {}
 _SLICE_S: Final = 0.25
-_POLL_S: Final = 0.05
 _WAKE_JOIN_S: Final = 1.0
 
 

@@ -72,8 +72,8 @@ def _await_arrivals(call: Call) -> None:
     leaders = [topology.node_ranks(n)[0] for n in range(topology.num_nodes) if n != mine]
     deadline = time.monotonic() + window
     blocked_since = None
-    while not store.poll_for(call.key + "arrivals/all",
-                             min(_BLOCKED_SHOWN_S, deadline - time.monotonic())):
+    while not store.wait_for(call.key + "arrivals/all",
+                             min(_BLOCKED_SHOWN_S, deadline - time.monotonic()), wake=wake):
         now = time.monotonic()
         if now >= deadline:
             return
