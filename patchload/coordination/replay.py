@@ -27,8 +27,8 @@ from .._logging import get_logger
 from .._patching import Patch
 
 __all__ = ["History", "HISTORY", "LeaderAnswers", "Record", "Replay", "ReplayMiss",
-           "rebuilt_error", "answer_key", "current_replay", "http_patches", "recordable", "recording",
-           "is_answer", "recording_active", "replaying", "request_key"]
+           "answer_key", "current_replay", "http_patches", "rebuilt_error", "recordable",
+           "recording", "is_answer", "recording_active", "replaying", "request_key"]
 
 logger = get_logger(__name__)
 

@@ -127,21 +127,13 @@ def _request(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
 
 
 @contextlib.contextmanager
-def _recording(record: list[dict[str, Any]]) -> Iterator[None]:
-    token = _RECORDING.set(record)
+def _set(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
+    """``var`` holds ``value`` for the block (the leader's record, a follower's replay)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _RECORDING.reset(token)
-
-
-@contextlib.contextmanager
-def _replaying(replay: _Replay) -> Iterator[None]:
-    token = _REPLAY.set(replay)
-    try:
-        yield
-    finally:
-        _REPLAY.reset(token)
+        var.reset(token)
 
 
 # --- the fetch ---------------------------------------------------------------------------------
@@ -180,7 +172,7 @@ def _leader(wrapped: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(wrapped)
     def lead(*args: Any, **kwargs: Any) -> Any:
         record: list[dict[str, Any]] = []
-        with _recording(record):
+        with _set(_RECORDING, record):
             result = wrapped(*args, **kwargs)
         mode = current_mode()
         if mode is not None:
@@ -213,7 +205,7 @@ def _follower(wrapped: Callable[..., Any]) -> Callable[..., Any]:
                                      f"leader's {leader['settings']}")
         replay = _Replay(leader["record"])
         try:
-            with _replaying(replay), plain():
+            with _set(_REPLAY, replay), plain():
                 result = wrapped(*args, **kwargs)
         except ReplayMiss as miss:
             raise VerificationFailed(str(miss)) from None
