@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import _state
-from .coordination.call import add_pins, coordinated, current_mode, without_waiting
+from .coordination.call import Hooks, add_pins, coordinated, current_mode, without_waiting
 from ._patching import Patch
 
 __all__ = ["dynamic_module_patches"]
@@ -70,8 +70,8 @@ def _get_cached_module_file(wrapped: Callable[..., Any], instance: Any, args: tu
         importlib.invalidate_caches()
         return path
 
-    return coordinated("get_cached_module_file", locked, args, kwargs, scope="node",
-                       what=f"get_cached_module_file({str(repo)!r}, {module_file!r})")
+    return coordinated("get_cached_module_file", locked, args, kwargs, Hooks(
+        f"get_cached_module_file({str(repo)!r}, {module_file!r})", scope="node"))
 
 
 def dynamic_module_patches() -> list[Patch]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Final
 
-from .coordination.call import coordinated
+from .coordination.call import Hooks, coordinated
 from ._patching import Patch
 
 __all__ = ["hub_patches"]
@@ -81,7 +81,7 @@ def _hub_function(name: str) -> Callable[..., Any]:
         repo = _first(args, kwargs, "repo_id", 0)
         filename = _first(args, kwargs, "filename", 1) if name == "hf_hub_download" else None
         what = f"{name}({repo!r}" + (f", {filename!r})" if filename else ")")
-        return coordinated(name, wrapped, args, kwargs, what=what)
+        return coordinated(name, wrapped, args, kwargs, Hooks(what))
 
     return wrapper
 
@@ -117,9 +117,9 @@ def _entry_point(*, offline_kwarg: bool) -> Callable[..., Any]:
         settle = None
         if wrapped.__name__ == "__init__" and owner.__module__.startswith("sentence_transformers"):
             settle = _card_as_asked(instance, kwargs)
-        return coordinated(name, wrapped, args, kwargs, offline_kwarg=offline_kwarg,
-                           settle=settle,
-                           what=f"{owner.__name__}.{wrapped.__name__}({_source(args, kwargs)!r})")
+        what = f"{owner.__name__}.{wrapped.__name__}({_source(args, kwargs)!r})"
+        return coordinated(name, wrapped, args, kwargs,
+                           Hooks(what, settle=settle, offline_kwarg=offline_kwarg))
 
     return wrapper
 

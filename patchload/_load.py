@@ -36,7 +36,8 @@ from ._errors import ConfigError
 from ._logging import get_logger
 from ._patching import Patch
 from ._writes import write_patches
-from .coordination.call import Mode, VerificationFailed, coordinated, current_mode, verify_so_far
+from .coordination.call import (Hooks, Mode, VerificationFailed, coordinated, current_mode,
+                                verify_so_far)
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
 from .transport.registry import transports
@@ -417,7 +418,7 @@ def from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
     what = f"{owner.__name__}.from_pretrained({source!r})"
     mode = current_mode()
     if mode is not None and mode.loads_model:  # e.g. the model class's call inside an Auto call
-        return coordinated(name, wrapped, args, kwargs, what=what)
+        return coordinated(name, wrapped, args, kwargs, Hooks(what))
     if _ALONE.get():  # the model class's call inside an Auto call that stepped aside
         return wrapped(*args, **kwargs)
     reason, collective = _step_aside_reason(kwargs)
@@ -430,14 +431,15 @@ def from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
                 return wrapped(*args, **kwargs)
             finally:
                 _ALONE.reset(token)
-        return coordinated(name, wrapped, args, kwargs, what=what)
+        return coordinated(name, wrapped, args, kwargs, Hooks(what))
     chosen = _chosen()
     if chosen is not None and chosen.scope == "job":
-        return coordinated(name, wrapped, args, kwargs, what=what, scope="job", share=_share,
-                           settle=_settle, abandon=_abandon, idle=warm_conversions)
-    return coordinated(name, wrapped, args, kwargs, what=what, scope="node", share=_share,
-                       settle=_settle, abandon=_abandon, idle=warm_conversions,
-                       lead_with=_node_leader_load(name, wrapped, what))
+        return coordinated(name, wrapped, args, kwargs, Hooks(
+            what, scope="job", share=_share, settle=_settle, abandon=_abandon,
+            idle=warm_conversions))
+    return coordinated(name, wrapped, args, kwargs, Hooks(
+        what, scope="node", share=_share, settle=_settle, abandon=_abandon, idle=warm_conversions,
+        lead_with=_node_leader_load(name, wrapped, what)))
 
 
 # What a node leader that took part in the nodes' load publishes to its node as the reading
@@ -489,8 +491,9 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
                 arena.close()
             return result
 
-        return coordinated(name, wrapped, args, kwargs, what=what, share=share, settle=settle,
-                           abandon=_abandon, call=node_leaders_call(node_call))
+        return coordinated(name, wrapped, args, kwargs, Hooks(
+            what, share=share, settle=settle, abandon=_abandon,
+            call=node_leaders_call(node_call)))
 
     return load
 

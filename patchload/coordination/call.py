@@ -44,9 +44,9 @@ from .key import Unrenderable, credentials_digest, deciding_arguments, digest, p
 from .scope import download_scope
 from .store import job_store
 
-__all__ = ["Mode", "VerificationFailed", "add_pins", "context_patches", "current_mode",
-           "coordinated", "coordinates_here", "plain", "record_hub_result", "verify_so_far",
-           "without_waiting"]
+__all__ = ["Hooks", "Mode", "VerificationFailed", "add_pins", "context_patches",
+           "current_mode", "coordinated", "coordinates_here", "plain", "record_hub_result",
+           "verify_so_far", "without_waiting"]
 
 logger = get_logger(__name__)
 
@@ -427,6 +427,47 @@ def _set_rng_state(state: Any) -> None:
             torch.cuda.set_rng_state_all(cuda)
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """What a patch adds to a coordinated call beyond the plain call (:func:`coordinated`).
+
+    Attributes:
+        what: human-readable description for logs and errors.
+        scope: ``node`` or ``job``; the download scope when None.
+        share: run by the leader on the result (with the call and the leader's mode, whose
+            ``used`` nested wrappers filled); returns extra payload for followers (weights) and a
+            step to run once the payload is published (or None).
+        settle: run by a follower on its result before returning it.
+        abandon: run by a follower that gives up on the leader's result (before its plain
+            call), with what the leader may still be waiting on (a broadcast) to settle.
+        lead_with: what the leader runs in place of ``wrapped`` (same arguments), e.g. a node
+            leader that takes the weights from the job leader instead of its disk.
+        call: a call built by the caller (the node leaders' call inside a node-scoped load);
+            coordinated as it is, whatever the enclosing mode.
+        offline_kwarg: a follower reruns the call with ``local_files_only=True``. False for
+            calls that reject it (transformers 5.2x ``load_adapter`` passes it on to a config
+            that raises TypeError); their nested hub calls are still made offline.
+        idle: run by a follower before it waits for the leader (see
+            :func:`patchload.coordination.protocol.leader_first`).
+    """
+
+    what: str
+    scope: str | None = None
+    share: Callable[[Any, _coordinate.Call, Mode],
+                    tuple[dict[str, Any], Callable[[], None] | None]] | None = None
+    settle: Callable[[Any, Mode], Any] | None = None
+    abandon: Callable[[Mode], None] | None = None
+    lead_with: Callable[..., Any] | None = None
+    call: _coordinate.Call | None = None
+    offline_kwarg: bool = True
+    idle: Callable[[], None] | None = None
+
+    @property
+    def loads_model(self) -> bool:
+        """The call loads model weights: its leader shares them (``share``)."""
+        return self.share is not None
+
+
 @dataclass
 class _Coordinated:
     """One patched call on this rank, with what it needs to lead, follow or run plainly.
@@ -435,31 +476,16 @@ class _Coordinated:
         name: the patched function's name (part of the call key).
         wrapped: the original function.
         args, kwargs: the caller's arguments, passed through untouched on the leader.
-        what: human-readable description for logs and errors.
-        share: run by the leader on the result; returns extra payload (weights) and a step to run
-            once the payload is published (or None).
-        settle: run by a follower on its result before returning it.
-        abandon: run by a follower that gives up on the leader's result (see
-            :class:`_Coordinated`).
-        lead_with: what the leader runs in place of ``wrapped`` (same arguments).
-        offline_kwarg: a follower reruns the call with ``local_files_only=True``.
+        hooks: what the patch adds (:class:`Hooks`).
         local: fingerprints of the local paths among the arguments.
-        abandon: run by a follower that gives up on the leader's result (before its plain
-            call), with what the leader may still be waiting on (a broadcast) to settle.
     """
 
     name: str
     wrapped: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    what: str
-    share: Callable[[Any, _coordinate.Call, Mode],
-                    tuple[dict[str, Any], Callable[[], None] | None]] | None = None
-    settle: Callable[[Any, Mode], Any] | None = None
-    lead_with: Callable[..., Any] | None = None
-    offline_kwarg: bool = True
+    hooks: Hooks
     local: dict[str, Any] = dataclasses.field(default_factory=dict)
-    abandon: Callable[[Mode], None] | None = None
     credentials: str | None = None
     """The digest of the credentials the call sends, where they may change what it gets
     (:func:`.credentials.call_credentials`); None: they cannot (or the key holds them)."""
@@ -471,20 +497,20 @@ class _Coordinated:
     def lead(self, call: _coordinate.Call
              ) -> tuple[Any, dict[str, Any], Callable[[], None] | None]:
         self.did = f"led it ({call.scope} scope)"
-        mode = Mode(lead=True, call=call, loads_model=self.share is not None, local=self.local)
+        mode = Mode(lead=True, call=call, loads_model=self.hooks.loads_model, local=self.local)
         # Its HTTP exchanges, published among its pins (a model load's at once).
         record = _replay.Record(lambda key, entry: add_pins(mode, {key: entry})) \
             if _replays() else None
         with _replay.recording(record):
-            result = self._run(mode, self.lead_with or self.wrapped, self.kwargs)
+            result = self._run(mode, self.hooks.lead_with or self.wrapped, self.kwargs)
         if self.credentials is not None:  # ranks with other credentials: are its repos public?
             with plain():
                 _credentials.publish_verdicts(call, self.credentials, mode.pins)
         payload: dict[str, Any] = {}
         after = None
-        if self.share is not None:
+        if self.hooks.loads_model:
             try:
-                payload, after = self.share(result, call, mode)
+                payload, after = self.hooks.share(result, call, mode)
             except Exception as err:  # noqa: BLE001 - the leader's own load stands; it shares none
                 logger.warning("%s: sharing the weights failed (%s: %s): followers load their "
                                "own", call.prefix(), type(err).__name__, err)
@@ -497,20 +523,20 @@ class _Coordinated:
         asked = outer.asked_offline if outer is not None and not outer.lead else bool(
             self.kwargs.get("local_files_only"))
         replayed = _replays()
-        answers = _leader_answers(leader, self.what) if replayed else None
-        mode = Mode(lead=False, call=call, leader=leader, loads_model=self.share is not None,
+        answers = _leader_answers(leader, self.hooks.what) if replayed else None
+        mode = Mode(lead=False, call=call, leader=leader, loads_model=self.hooks.loads_model,
                     cache_dir=self.kwargs.get("cache_dir"), asked_offline=asked,
                     replayed=replayed, answers=answers)
         why = self._unshared(call, role.leader_rank, leader.payload)
         if why is not None:
-            if self.abandon is not None and _leader_succeeded(mode):
-                self.abandon(mode)  # e.g. a broadcast this rank is a member of
+            if self.hooks.abandon is not None and _leader_succeeded(mode):
+                self.hooks.abandon(mode)  # e.g. a broadcast this rank is a member of
             return self.own_credentials(call, why)
         rng = _rng_state()
         if replayed and self.name not in _HUB_DOWNLOADS:  # as asked: see Mode.replayed
             kwargs = self.kwargs
         else:
-            kwargs = _offline(self.kwargs) if self.offline_kwarg else self.kwargs
+            kwargs = _offline(self.kwargs) if self.hooks.offline_kwarg else self.kwargs
         try:
             if self.local:
                 self._check_local(mode)
@@ -521,8 +547,8 @@ class _Coordinated:
             differences = _differences(mode.pins, mode.payload.get("pins", {}))
             if differences:
                 raise VerificationFailed("; ".join(differences[:3]))
-            if self.settle is not None:
-                result = self.settle(result, mode)
+            if self.hooks.settle is not None:
+                result = self.hooks.settle(result, mode)
         except BaseException as err:
             if not isinstance(err, Exception):
                 raise  # this rank's own interrupt (Ctrl-C, SystemExit), unchanged
@@ -530,9 +556,9 @@ class _Coordinated:
                 # Nothing to abandon: the leader never published a success (no broadcast).
                 return self._plain_after(call, role, leader.raised, rng)
             if leader.raised is not None:
-                if self.abandon is not None and _leader_succeeded(mode):
+                if self.hooks.abandon is not None and _leader_succeeded(mode):
                     # It timed out, then the leader published: leave its broadcast.
-                    self.abandon(mode)
+                    self.hooks.abandon(mode)
                 # As the view raised it: transformers turns an error inside a hub call into an
                 # OSError of its own.
                 raise leader.raised from None
@@ -542,8 +568,8 @@ class _Coordinated:
                 if leader.failed_early():  # the leader's error, as on a rank that waited for it
                     raise leader.raised from None
                 raise
-            if self.abandon is not None:
-                self.abandon(mode)  # e.g. a broadcast this rank is a member of
+            if self.hooks.abandon is not None:
+                self.hooks.abandon(mode)  # e.g. a broadcast this rank is a member of
             return self._plain_after(call, role, err, rng)
         self.did = f"followed rank {role.leader_rank}: {_requests_note(mode)}" + \
             _weights_note(mode)
@@ -585,7 +611,7 @@ class _Coordinated:
                                   config=dataclasses.replace(call.config, claim_grace_s=0.0))
         one = dataclasses.replace(self, credentials=None, lead_with=None, did="made the call")
         result = _coordinate.leader_first(own, one.lead, one.follow,
-                                          early=self.share is not None,
+                                          early=self.hooks.loads_model,
                                           interrupted=one.interrupted)
         self.did = f"{one.did}, among the ranks with its hub credentials ({why})"
         return result
@@ -683,15 +709,7 @@ def _leader_succeeded(mode: Mode) -> bool:
 
 
 def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any], *, what: str, scope: str | None = None,
-                share: Callable[[Any, _coordinate.Call, Mode],
-                                tuple[dict[str, Any], Callable[[], None] | None]] | None = None,
-                settle: Callable[[Any, Mode], Any] | None = None,
-                lead_with: Callable[..., Any] | None = None,
-                call: _coordinate.Call | None = None,
-                offline_kwarg: bool = True,
-                abandon: Callable[[Mode], None] | None = None,
-                idle: Callable[[], None] | None = None) -> Any:
+                kwargs: dict[str, Any], hooks: Hooks) -> Any:
     """Run ``wrapped(*args, **kwargs)`` leader-first across the ranks of its scope.
 
     Not collective: no rank waits for ranks that do not make the same call.
@@ -700,23 +718,8 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         name: the patched function's name (part of the call key).
         wrapped: the original function.
         args, kwargs: the caller's arguments, passed through untouched on the leader.
-        what: human-readable description for logs and errors.
-        scope: ``node`` or ``job``; the download scope when None.
-        share: run by the leader on the result (with the call and the leader's mode, whose
-            ``used`` nested wrappers filled); returns extra payload for followers (weights) and a
-            step to run once the payload is published (or None).
-        settle: run by a follower on its result before returning it.
-        abandon: run by a follower that gives up on the leader's result (see
-            :class:`_Coordinated`).
-        lead_with: what the leader runs in place of ``wrapped`` (same arguments), e.g. a node
-            leader that takes the weights from the job leader instead of its disk.
-        call: a call built by the caller (the node leaders' call inside a node-scoped load);
-            coordinated as it is, whatever the enclosing mode.
-        offline_kwarg: a follower reruns the call with ``local_files_only=True``. False for
-            calls that reject it (transformers 5.2x ``load_adapter`` passes it on to a config
-            that raises TypeError); their nested hub calls are still made offline.
-        idle: run by a follower before it waits for the leader (see
-            :func:`patchload.coordination.protocol.leader_first`).
+        hooks: what the patch adds to the plain call (:class:`Hooks`): its description, scope,
+            what the leader shares and what a follower does with it.
 
     Returns:
         The original call's result on this rank: the same as a plain call's.
@@ -729,22 +732,25 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         return wrapped(*args, **kwargs)
     mode = _MODE.get()
     deciding: dict[str, str] = {}
+    call = hooks.call
     if call is None:
         # A model load nested in a call that loads no model itself (a sentence-transformers
         # model, a pipeline) is coordinated on its own, so that its weights are still shared.
-        nested = mode is not None and not (share is not None and not mode.loads_model)
+        nested = mode is not None and not (hooks.loads_model and not mode.loads_model)
         if nested and not mode.lead:
             return _nested(mode, name, wrapped, args, kwargs)  # a follower reruns it offline
-        if nested and not (mode.call.scope == "node" and share is None and download_scope(
+        if nested and not (mode.call.scope == "node" and not hooks.loads_model and download_scope(
                 _state.config(), current_topology(), job_store()) == "job"):
             return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **kwargs))
         # Top level, or (job-scoped downloads) nested in a node leader's call: the node leaders
         # coordinate it among themselves.
         try:
-            call, deciding = _call_of(name, wrapped, args, kwargs, what=what, scope=scope,
-                                      nested=mode is not None, loads_model=share is not None)
+            call, deciding = _call_of(name, wrapped, args, kwargs, what=hooks.what,
+                                      scope=hooks.scope, nested=mode is not None,
+                                      loads_model=hooks.loads_model)
         except Unrenderable as err:
-            logger.info("%s: not coordinated (%s): every rank makes this call itself", what, err)
+            logger.info("%s: not coordinated (%s): every rank makes this call itself", hooks.what,
+                        err)
             token = _MODE.set(None)  # hub calls inside are coordinated one by one
             try:
                 return wrapped(*args, **kwargs)
@@ -756,16 +762,15 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             deciding = deciding_arguments(wrapped, args, kwargs)
         except Unrenderable:
             deciding = {}
-    one = _Coordinated(name, wrapped, args, kwargs, what, share, settle, lead_with,
-                       offline_kwarg, _local_paths(deciding), abandon,
+    one = _Coordinated(name, wrapped, args, kwargs, hooks, _local_paths(deciding),
                        _credentials.call_credentials(kwargs), _source_repo(name, args, kwargs))
 
     def run() -> Any:
         # A model load's followers build their model while the leader loads; they wait for its
         # weights (the outcome) when they need them.
         try:
-            return _coordinate.leader_first(call, one.lead, one.follow, early=share is not None,
-                                            idle=idle, interrupted=one.interrupted)
+            return _coordinate.leader_first(call, one.lead, one.follow, early=hooks.loads_model,
+                                            idle=hooks.idle, interrupted=one.interrupted)
         except Exception as err:
             # A follower that waited for the outcome raises its leader's error before its own
             # part: not across credentials (one that started at once decided in follow()).
@@ -781,7 +786,7 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     start = time.monotonic()
     result = _recorded(mode, name, args, kwargs, run)
     if mode is None:  # one line per rank per top-level call
-        logger.info("%s %s: %s, in %.2f s", call.prefix(), what, one.did,
+        logger.info("%s %s: %s, in %.2f s", call.prefix(), hooks.what, one.did,
                     time.monotonic() - start)
     return result
 

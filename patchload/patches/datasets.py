@@ -38,7 +38,7 @@ from .._logging import get_logger
 from .._patching import Patch
 from .._topology import current_topology
 from .. import _state
-from ..coordination.call import VerificationFailed, coordinated, current_mode, plain
+from ..coordination.call import Hooks, VerificationFailed, coordinated, current_mode, plain
 from ..coordination.replay import (HISTORY, Replay, ReplayMiss, http_patches, recordable,
                                   recording, replaying)
 
@@ -190,9 +190,9 @@ def _load_dataset(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
                         topology.world_size, path, why)
         with plain():  # its hub calls too: as without patchload
             return wrapped(*args, **kwargs)
-    return coordinated("datasets.load.load_dataset", _follower(wrapped), args, kwargs,
-                       what=f"load_dataset({path!r})", share=_share(kwargs),
-                       lead_with=_leader(wrapped), offline_kwarg=False)
+    return coordinated("datasets.load.load_dataset", _follower(wrapped), args, kwargs, Hooks(
+        f"load_dataset({path!r})", share=_share(kwargs), lead_with=_leader(wrapped),
+        offline_kwarg=False))
 
 
 def datasets_patches() -> list[Patch]:

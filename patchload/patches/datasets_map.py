@@ -51,7 +51,7 @@ from .._errors import LeaderFailedError, PatchloadTimeout
 from .._logging import get_logger
 from .._patching import Patch
 from .._topology import current_topology
-from ..coordination.call import coordinated, current_mode, plain
+from ..coordination.call import Hooks, coordinated, current_mode, plain
 
 __all__ = ["map_patches"]
 
@@ -219,7 +219,7 @@ def _coordinated_map(wrapped: Callable[..., Any], args: tuple[Any, ...],
              # A pair, not a path string: a path that exists (a late rank's, once the leader
              # wrote it) would add a ``__path__`` part to its key and none to an early rank's.
              "cache_file": (cache_identity(os.path.dirname(cache_file)), name)},
-            what=f"Dataset.map(-> {name})", scope="node", lead_with=lead, offline_kwarg=False)
+            Hooks(f"Dataset.map(-> {name})", scope="node", lead_with=lead, offline_kwarg=False))
     except (LeaderFailedError, PatchloadTimeout) as err:
         if type(err) not in (LeaderFailedError, PatchloadTimeout):
             raise  # the leader's own exception, rebuilt: what this rank's plain map raises

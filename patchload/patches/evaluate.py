@@ -39,7 +39,7 @@ import inspect
 from typing import Any, Callable, Final, Iterator
 
 from .._patching import Patch
-from ..coordination.call import VerificationFailed, coordinated, current_mode, plain
+from ..coordination.call import Hooks, VerificationFailed, coordinated, current_mode, plain
 from ..coordination.replay import ReplayMiss, rebuilt_error
 
 __all__ = ["evaluate_patches"]
@@ -225,8 +225,9 @@ def _factory(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
     coordinated (see the module docstring)."""
     arguments = _arguments(wrapped, args, kwargs)
     return coordinated("evaluate.loading.evaluation_module_factory", _follower(wrapped), args,
-                       kwargs, what=f"evaluate.load({arguments.get('path')!r})",
-                       share=_share(arguments), lead_with=_leader(wrapped), offline_kwarg=False)
+                       kwargs, Hooks(f"evaluate.load({arguments.get('path')!r})",
+                                     share=_share(arguments), lead_with=_leader(wrapped),
+                                     offline_kwarg=False))
 
 
 def evaluate_patches() -> list[Patch]:

@@ -41,7 +41,7 @@ import sys
 from typing import Any, Callable, Final, Iterator
 
 from .._patching import Patch
-from ..coordination.call import coordinated, coordinates_here, current_mode
+from ..coordination.call import Hooks, coordinated, coordinates_here, current_mode
 
 __all__ = ["METHODS", "hub_api_patches"]
 
@@ -128,7 +128,7 @@ def _method(name: str, *, answers_from_cache: bool = False) -> Callable[..., Any
         if getattr(api, "token", None) is not None and kwargs.get("token") is None:
             kwargs = {**kwargs, "token": api.token}
         return coordinated(f"HfApi.{name}", _read_to_end(wrapped), args, kwargs,
-                           what=f"HfApi.{name}({_source(args, kwargs)!r})", offline_kwarg=False)
+                           Hooks(f"HfApi.{name}({_source(args, kwargs)!r})", offline_kwarg=False))
 
     return wrapper
 
