@@ -71,7 +71,9 @@ class Mode:
         lead: True on the leader, False on a follower.
         call: the enclosing coordinated call (one attempt of it).
         loads_model: the enclosing call loads model weights (it shares them on the leader).
-        used: per-call scratch space for nested wrappers (weights received, headers read).
+        used: per-call scratch space for the nested wrappers of a model load (weights
+            received, headers read); a library patch keeps its own per-call state in the
+            hooks it builds for the call (``patches/datasets.py``).
         pins: the hub files this rank's call resolved: ``{"<type>:<repo>:<path>": [commit,
             blob, size]}``, or ``None`` for a file found absent; ``{"<type>:<repo>:@<revision>":
             [commit]}`` for a revision it resolved (:func:`_pin_key`).

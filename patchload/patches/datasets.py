@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+from dataclasses import dataclass, field
 from typing import Any, Callable, Final
 
 from .._logging import get_logger
@@ -111,31 +112,37 @@ def _argument(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
         return None
 
 
-def _leader(wrapped: Callable[..., Any]) -> Callable[..., Any]:
+@dataclass
+class _Led:
+    """What this rank recorded when it led one ``load_dataset`` call (its share publishes it)."""
+
+    record: list[dict[str, Any]] | None = None
+    """The call's HTTP exchanges; None until the call returned."""
+    earlier: list[dict[str, Any]] = field(default_factory=list)
+    """The answers this process had cached before the call (huggingface_hub's caches)."""
+
+
+def _leader(wrapped: Callable[..., Any], led: _Led) -> Callable[..., Any]:
     @functools.wraps(wrapped)
     def lead(*args: Any, **kwargs: Any) -> Any:
         record: list[dict[str, Any]] = []
-        mode = current_mode()
-        if mode is not None:
-            mode.used["datasets_earlier"] = HISTORY.except_for([])
+        led.record, led.earlier = None, HISTORY.except_for([])
         try:
             with recording(record):
                 result = wrapped(*args, **kwargs)
         finally:
             HISTORY.add(record)  # a failed call's answers are cached all the same
-        if mode is not None:
-            mode.used["datasets_record"] = record
+        led.record = record
         return result
 
     return lead
 
 
-def _share(kwargs: dict[str, Any]) -> Callable[..., tuple[dict[str, Any], None]]:
+def _share(kwargs: dict[str, Any], led: _Led) -> Callable[..., tuple[dict[str, Any], None]]:
     def share(result: Any, call: Any, mode: Any) -> tuple[dict[str, Any], None]:
-        record = mode.used.get("datasets_record") or []
+        record = led.record or []
         keys = {entry["key"] for entry in record}
-        earlier = [entry for entry in mode.used.get("datasets_earlier") or ()
-                   if entry["key"] not in keys]
+        earlier = [entry for entry in led.earlier if entry["key"] not in keys]
         size = len(json.dumps(record)) + len(json.dumps(earlier))
         if size > _MAX_RECORD_BYTES:
             logger.warning("%s: the hub's answers to this call take %d bytes, more than %d: "
@@ -190,8 +197,9 @@ def _load_dataset(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
                         topology.world_size, path, why)
         with plain():  # its hub calls too: as without patchload
             return wrapped(*args, **kwargs)
+    led = _Led()
     return coordinated("datasets.load.load_dataset", _follower(wrapped), args, kwargs, Hooks(
-        f"load_dataset({path!r})", share=_share(kwargs), lead_with=_leader(wrapped),
+        f"load_dataset({path!r})", share=_share(kwargs, led), lead_with=_leader(wrapped, led),
         offline_kwarg=False))
 
 

@@ -168,23 +168,21 @@ def _module(result: Any) -> list[str] | None:
     return [module_path, module_hash]
 
 
-def _leader(wrapped: Callable[..., Any]) -> Callable[..., Any]:
+def _leader(wrapped: Callable[..., Any], led: list[dict[str, Any]]) -> Callable[..., Any]:
+    """What the leader runs: ``wrapped``, its exchanges recorded into ``led`` (this call's)."""
     @functools.wraps(wrapped)
     def lead(*args: Any, **kwargs: Any) -> Any:
-        record: list[dict[str, Any]] = []
-        with _set(_RECORDING, record):
-            result = wrapped(*args, **kwargs)
-        mode = current_mode()
-        if mode is not None:
-            mode.used["evaluate_record"] = record
-        return result
+        led.clear()
+        with _set(_RECORDING, led):
+            return wrapped(*args, **kwargs)
 
     return lead
 
 
-def _share(arguments: dict[str, Any]) -> Callable[..., tuple[dict[str, Any], None]]:
+def _share(arguments: dict[str, Any],
+           led: list[dict[str, Any]]) -> Callable[..., tuple[dict[str, Any], None]]:
     def share(result: Any, call: Any, mode: Any) -> tuple[dict[str, Any], None]:
-        return {"evaluate": {"record": mode.used.get("evaluate_record"),
+        return {"evaluate": {"record": led,
                              "module": _module(result), "settings": _settings(arguments)}}, None
 
     return share
@@ -224,10 +222,11 @@ def _factory(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
     """``evaluate.loading.evaluation_module_factory`` (what ``evaluate.load`` fetches with):
     coordinated (see the module docstring)."""
     arguments = _arguments(wrapped, args, kwargs)
+    led: list[dict[str, Any]] = []  # the leader's exchanges, when this rank leads
     return coordinated("evaluate.loading.evaluation_module_factory", _follower(wrapped), args,
                        kwargs, Hooks(f"evaluate.load({arguments.get('path')!r})",
-                                     share=_share(arguments), lead_with=_leader(wrapped),
-                                     offline_kwarg=False))
+                                     share=_share(arguments, led),
+                                     lead_with=_leader(wrapped, led), offline_kwarg=False))
 
 
 def evaluate_patches() -> list[Patch]:
