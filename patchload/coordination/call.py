@@ -611,7 +611,8 @@ class _Coordinated:
         own = dataclasses.replace(call, key=f"{call.base}credentials-{self.credentials}/",
                                   attempt=None, placement=None,
                                   config=dataclasses.replace(call.config, claim_grace_s=0.0))
-        one = dataclasses.replace(self, credentials=None, lead_with=None, did="made the call")
+        one = dataclasses.replace(self, hooks=dataclasses.replace(self.hooks, lead_with=None),
+                                  credentials=None, did="made the call")
         result = _coordinate.leader_first(own, one.lead, one.follow,
                                           early=self.hooks.loads_model,
                                           interrupted=one.interrupted)
