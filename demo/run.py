@@ -77,6 +77,13 @@ def one_run(label: str, script: str, args: list[str], *, on: bool, hub: Any, out
     # until then is the job's own (imports, tokenizer, download), not weights.
     started = [f["weights_started_at"] for f in figures.values() if f.get("weights_started_at")]
     first_weight = min(started) if started else None
+    # After the load (the training example): until DDP is built, until the last step, until
+    # torchrun exited; each from the end of the phase before, as the slowest rank ends it.
+    ddp = [f.get("ddp_ready_at") for f in figures.values()]
+    steps = [max(f["steps_done_at"]) for f in figures.values() if f.get("steps_done_at")]
+    phases = None
+    if all_ready and ddp and all(ddp) and len(steps) == len(ddp):
+        phases = (max(ddp) - all_ready, max(steps) - max(ddp), run.ended_at - max(steps))
     requests = {r: 0 for r in range(nproc)}
     downloaded = 0
     for req in hub.requests():
@@ -89,6 +96,8 @@ def one_run(label: str, script: str, args: list[str], *, on: bool, hub: Any, out
         "requests": requests, "downloaded": downloaded,
         "read": {r: figures.get(r, {}).get("checkpoint_tensor_bytes") for r in range(nproc)},
         "ready_s": (all_ready - run.launched_at) if all_ready else None,
+        "to_ddp_s": phases[0] if phases else None, "to_step_s": phases[1] if phases else None,
+        "to_exit_s": phases[2] if phases else None,
         "ready_after_join_s": (all_ready - max(joined)) if all_ready and all(joined) else None,
         "load_peak": (sampler.peak(run.launched_at, all_ready) - baseline) if all_ready else None,
         "before_weights": (sampler.at(first_weight) - baseline) if first_weight else None,
@@ -159,6 +168,8 @@ def compare(plain: dict[str, Any], patched: dict[str, Any], nproc: int,
             f"{measure.gib(s['run_peak'])}",
             f"{measure.gib(s['imports'])} ({s['baseline_kind']})",
             f"{s['wall_s']:.1f} s",
+            *("-" if s[k] is None else f"{s[k]:.1f} s"
+              for k in ("to_ddp_s", "to_step_s", "to_exit_s")),
         ]
 
     names = ["hub requests per rank", "bytes downloaded (all ranks)",
@@ -169,9 +180,13 @@ def compare(plain: dict[str, Any], patched: dict[str, Any], nproc: int,
              "  added from the first weight on (x loaded model)",
              "peak node memory, whole run",
              "baseline: memory of the started ranks",
-             "wall time of the job"]
+             "wall time of the job",
+             "  after the load: until DDP is built (it writes every parameter)",
+             "  then until the optimizer step is done",
+             "  then until the job ended"]
     ratio_of = [None, None, None, "ready_s", "ready_after_join_s", "load_peak",
-                "before_weights", "weights_peak", "run_peak", None, "wall_s"]
+                "before_weights", "weights_peak", "run_peak", None, "wall_s",
+                "to_ddp_s", "to_step_s", "to_exit_s"]
     rows = [[n, a, b, _ratio(plain, patched, k)]
             for n, a, b, k in zip(names, fig(plain), fig(patched), ratio_of)]
     rows.append(["weights sha256 equal to plain, per rank", "-",
@@ -190,7 +205,7 @@ def _ratio(plain: dict[str, Any], patched: dict[str, Any], key: str | None) -> s
 
 
 _MEDIAN_KEYS = ("wall_s", "ready_s", "ready_after_join_s", "load_peak", "before_weights",
-                "weights_peak", "run_peak", "imports")
+                "weights_peak", "run_peak", "imports", "to_ddp_s", "to_step_s", "to_exit_s")
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -14,6 +14,9 @@ Active only when ``PATCHLOAD_MEASURE_DIR`` is set. Then, in every process launch
   (``weights_started_at``): the node's memory then is what the job held before any weight;
 * ``torch.distributed.init_process_group`` is wrapped to record when it returned
   (``process_group_ready_at``): by then every rank has imported its libraries and joined;
+* ``DistributedDataParallel.__init__`` is wrapped to record when it returned (``ddp_ready_at``:
+  it broadcasts rank 0's parameters into every rank's, which writes them), and an optimizer
+  step post-hook records when each step returned (``steps_done_at``);
 * at exit, ``$PATCHLOAD_MEASURE_DIR/rank-$RANK.json`` holds all of the above.
 
 If the measured process also chains to another ``sitecustomize`` on the path, it is not run.
@@ -117,6 +120,24 @@ def _install() -> None:
         wrapt.wrap_function_wrapper(module, "init_process_group", _pg_timed)
 
     wrapt.register_post_import_hook(_pg_hook, "torch.distributed")
+
+    def _ddp_timed(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        stats["ddp_ready_at"] = time.time()
+        return result
+
+    def _ddp_hook(module):
+        wrapt.wrap_function_wrapper(module, "DistributedDataParallel.__init__", _ddp_timed)
+
+    wrapt.register_post_import_hook(_ddp_hook, "torch.nn.parallel.distributed")
+
+    def _step_done(optimizer, args, kwargs):
+        stats.setdefault("steps_done_at", []).append(time.time())
+
+    def _optim_hook(module):
+        module.register_optimizer_step_post_hook(_step_done)
+
+    wrapt.register_post_import_hook(_optim_hook, "torch.optim.optimizer")
 
     def _write() -> None:
         path = os.path.join(_DIR, f"rank-{rank}.json")
