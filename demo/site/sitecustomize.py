@@ -111,25 +111,19 @@ def _install() -> None:
 
     wrapt.register_post_import_hook(_hook, "transformers.modeling_utils")
 
-    def _pg_timed(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
-        stats["process_group_ready_at"] = time.time()
-        return result
+    def _record_return(module_name, name, key):
+        """When ``module_name``'s ``name`` last returned, in ``stats[key]``."""
+        def timed(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
+            stats[key] = time.time()
+            return result
 
-    def _pg_hook(module):
-        wrapt.wrap_function_wrapper(module, "init_process_group", _pg_timed)
+        wrapt.register_post_import_hook(
+            lambda module: wrapt.wrap_function_wrapper(module, name, timed), module_name)
 
-    wrapt.register_post_import_hook(_pg_hook, "torch.distributed")
-
-    def _ddp_timed(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
-        stats["ddp_ready_at"] = time.time()
-        return result
-
-    def _ddp_hook(module):
-        wrapt.wrap_function_wrapper(module, "DistributedDataParallel.__init__", _ddp_timed)
-
-    wrapt.register_post_import_hook(_ddp_hook, "torch.nn.parallel.distributed")
+    _record_return("torch.distributed", "init_process_group", "process_group_ready_at")
+    _record_return("torch.nn.parallel.distributed", "DistributedDataParallel.__init__",
+                   "ddp_ready_at")
 
     def _step_done(optimizer, args, kwargs):
         stats.setdefault("steps_done_at", []).append(time.time())
