@@ -548,9 +548,10 @@ GATED = Scenario(
 def _local_dir_steps(model_dir: str, file_dir: str) -> list[dict[str, Any]]:
     return [
         {"name": "snapshot", "op": "snapshot_download", "repo": "ld/model",
-         "kwargs": {"local_dir": model_dir}},
+         "kwargs": {"local_dir": model_dir}, "observe_after_barrier": True},
         {"name": "file", "op": "hf_hub_download", "repo": "ld/model",
-         "filenames": ["model.safetensors"], "kwargs": {"local_dir": file_dir}},
+         "filenames": ["model.safetensors"], "kwargs": {"local_dir": file_dir},
+         "observe_after_barrier": True},
     ]
 
 

@@ -48,6 +48,10 @@ A step (every key but ``name`` and ``op`` is optional):
   ``wandb.init()``, rank-0-only data preparation).
 * ``dist_barrier``: every rank enters ``torch.distributed.barrier()`` after the step's call (a
   rank that skips the call, at once); the plan needs ``"process_group": "gloo"``.
+* ``observe_after_barrier``: for ``hf_hub_download`` and ``snapshot_download``: read the
+  returned files only once every rank's call returned (a barrier). Ranks of a node that share a
+  ``local_dir`` race in a plain run: one rank's download unlinks the file another rank's call
+  has just returned, so what a rank sees right after its call depends on timing.
 * ``gate``: ``"rank0_first"``: ranks other than 0 start only once rank 0's first attempt ended,
   so a fault on the first request of a file meets rank 0 in a plain run too (deterministic).
 
@@ -356,11 +360,27 @@ def op_sentence_transformer(step: dict[str, Any]) -> dict[str, Any]:
             "card_local_files_only": model.model_card_data.local_files_only}
 
 
+class Later:
+    """An observation read after the step's barrier (``observe_after_barrier``), or at once."""
+
+    def __init__(self, step: dict[str, Any], read: Callable[[], Any]) -> None:
+        self.read = read
+        self.value = None if step.get("observe_after_barrier") else read()
+
+
+def settle(record: dict[str, Any]) -> None:
+    """Read every :class:`Later` of the step's attempts (after the barrier) into the record."""
+    for entry in record.get("attempts", []):
+        for key, value in entry.get("obs", {}).items():
+            if isinstance(value, Later):
+                entry["obs"][key] = value.read() if value.value is None else value.value
+
+
 def op_hf_hub_download(step: dict[str, Any]) -> dict[str, Any]:
     from huggingface_hub import hf_hub_download
 
-    return {"files": [download_record(hf_hub_download(step["repo"], name, **_kwargs(step)))
-                      for name in step["filenames"]]}
+    paths = [hf_hub_download(step["repo"], name, **_kwargs(step)) for name in step["filenames"]]
+    return {"files": Later(step, lambda: [download_record(p) for p in paths])}
 
 
 def op_thread_pool(step: dict[str, Any]) -> dict[str, Any]:
@@ -387,7 +407,11 @@ def op_snapshot_download(step: dict[str, Any]) -> dict[str, Any]:
     from huggingface_hub import snapshot_download
 
     folder = Path(snapshot_download(step["repo"], **_kwargs(step)))
-    files = {}
+    return {"folder": norm(str(folder)), "files": Later(step, lambda: _folder_files(folder))}
+
+
+def _folder_files(folder: Path) -> dict[str, Any]:
+    files: dict[str, Any] = {}
     for path in sorted(folder.rglob("*")):
         name = path.relative_to(folder).as_posix()
         if not path.is_file():
@@ -397,7 +421,7 @@ def op_snapshot_download(step: dict[str, Any]) -> dict[str, Any]:
                 files[name] = _download_metadata(path)
             continue
         files[name] = file_sha(path)
-    return {"folder": norm(str(folder)), "files": files}
+    return files
 
 
 def op_hub_api(step: dict[str, Any]) -> dict[str, Any]:
@@ -491,6 +515,9 @@ def body(report: dict[str, Any]) -> None:
                 run_step(step, record, barrier)
             else:
                 record["skipped"] = True
+            if step.get("observe_after_barrier"):
+                barrier()
+            settle(record)
             if step.get("dist_barrier"):
                 import torch.distributed as dist
 
