@@ -10,7 +10,7 @@ same kernel, so the same bytes, as ``.to``). Sharing then copies nothing
 (:func:`patchload.transport.shm.share`). Everything else (no conversion, a weight converter's
 inputs, sharding, another device, no room left) is materialised exactly as transformers does.
 
-A load whose every tensor stays a view of its file (``mode.used["alongside"]``, see
+A load whose every tensor stays a view of its file (``mode.load.alongside``, see
 :func:`patchload._alongside.maps_as_plain`: a leader's or its followers' zero-copy load) has
 nothing for the pool's threads to do: each ``tensor[...]`` is a view and ``.to`` returns it.
 Its tensors are materialised in the calling thread instead (transformers' own deferred path,
@@ -39,12 +39,12 @@ _CPU = ("None", "cpu")  # str() of the device transformers passes
 def _spawn_materialize(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
     """``transformers.core_model_loading.spawn_materialize``: in the calling thread for a load
-    of views (``mode.used["materialise_here"]``), converting into the arena for a leader's
+    of views (``mode.load.materialise_here``), converting into the arena for a leader's
     converting load."""
     mode = current_mode()
-    if mode is not None and mode.used.get("materialise_here") and len(args) == 4:
+    if mode is not None and mode.load.materialise_here and len(args) == 4:
         return wrapped(None, *args[1:], **kwargs)
-    arena = mode.used.get("arena") if mode is not None and mode.lead else None
+    arena = mode.load.arena if mode is not None and mode.lead else None
     if arena is None or len(args) != 4 or kwargs.get("sharding_op") is not None \
             or kwargs.get("tensor_idx") is not None:  # a converter's input: not kept as is
         return wrapped(*args, **kwargs)

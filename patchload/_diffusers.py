@@ -47,7 +47,7 @@ def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[Any
         return wrapped(*args, **kwargs)
     state, answered = checkpoint_header(mode, checkpoint_file, lambda: wrapped(*args, **kwargs))
     if answered:
-        mode.used["answered"] = state
+        mode.load.answered = state
     return state
 
 
@@ -65,7 +65,7 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     if receive(mode, model):
         return model, [], [], [], None, []
     state_dict = bound.arguments.get("state_dict")
-    if state_dict is not None and state_dict is mode.used.get("answered"):
+    if state_dict is not None and state_dict is mode.load.answered:
         # The checkpoint's keys were answered with meta tensors: read the real weights now.
         from diffusers.models.model_loading_utils import load_state_dict
 

@@ -118,25 +118,25 @@ def _share(result: Any, call: Call, mode: Mode
     if model is None:
         return {}, None
     transport = _transport_of(call)
-    if mode.used.get("alongside"):
-        transport.discard(model, mode.used)
+    if mode.load.alongside:
+        transport.discard(model, mode.load)
         logger.info("%s: not sharing weights: a zero-copy load, followers map the checkpoint "
                     "files themselves", call.prefix())
         return {"weights": None, "reason": "followers map the checkpoint files"}, None
     entries, unique = entries_of(model)
     reason = _post_load_reason(model, entries, unique)
-    if reason is None and initialized_by_follower(mode.used.get("loading_info") or {}) is None:
+    if reason is None and initialized_by_follower(mode.load.loading_info or {}) is None:
         reason = "keys missing from the checkpoint are initialised inside the step followers skip"
     if reason is not None:
         unique.clear()  # discarding re-points them; no reference may outlive that here
-        transport.discard(model, mode.used)
+        transport.discard(model, mode.load)
         logger.info("%s: not sharing weights: %s; followers load them plainly",
                     call.prefix(), reason)
         return {"weights": None, "reason": reason}, None
     info = {"entries": entries, "class": f"{type(model).__module__}.{type(model).__qualname__}",
-            "headers": mode.used.get("headers", {}),
-            "loading_info": mode.used.get("loading_info"), "transport": transport.name,
-            "conversions": mode.used.get("conversions"), "dtype_plan": mode.used.get("dtype_plan"),
+            "headers": mode.load.headers,
+            "loading_info": mode.load.loading_info, "transport": transport.name,
+            "conversions": mode.load.conversions, "dtype_plan": mode.load.dtype_plan,
             # Inference tensors (made inside torch.inference_mode() on the loading thread):
             # followers make theirs so too.
             "inference": [i for i, t in enumerate(unique) if t.is_inference()],
@@ -145,9 +145,9 @@ def _share(result: Any, call: Call, mode: Mode
             "marked": {str(i): t._is_hf_initialized for i, t in enumerate(unique)
                        if hasattr(t, "_is_hf_initialized")}}
     try:
-        payload, after = transport.share(call, model, entries, unique, mode.used)
+        payload, after = transport.share(call, model, entries, unique, mode.load)
     except BaseException:
-        transport.discard(model, mode.used)
+        transport.discard(model, mode.load)
         raise
     info.update(payload)
     return {"weights": info}, after
@@ -253,7 +253,7 @@ def receive(mode: Mode, model: Any, plan: Any = None) -> bool:
             modules in float32.
     """
     weights = mode.payload.get("weights")
-    if not weights or "received" in mode.used:
+    if not weights or mode.load.weights_received:
         return False
     from .transport import meta_of
 
@@ -279,11 +279,12 @@ def receive(mode: Mode, model: Any, plan: Any = None) -> bool:
         return False
     _check_structure(model, entries, [meta_of(t) for t in tensors], skip)
     _assemble(model, entries, tensors, skip)
-    mode.used["received"] = (entries, tensors, skip)
+    mode.load.weights_received = True
+    mode.load.received = (entries, tensors, skip)
     taken = {index for name, _, index, _ in entries if name not in skip}
-    mode.used["received_bytes"] = sum(tensors[i].numel() * tensors[i].element_size()
-                                      for i in taken)
-    mode.used["received_how"] = transport.verb
+    mode.load.received_bytes = sum(tensors[i].numel() * tensors[i].element_size()
+                                   for i in taken)
+    mode.load.received_how = transport.verb
     return True
 
 
@@ -293,7 +294,7 @@ def _received(transport: Any, mode: Mode, weights: dict[str, Any]) -> list[torch
     import torch
 
     with torch.inference_mode(False):
-        tensors = transport.receive(mode.call, weights, mode.used)
+        tensors = transport.receive(mode.call, weights, mode.load)
     if tensors is None:
         return None
     for index in weights.get("inference", ()):
@@ -310,7 +311,7 @@ def _abandon(mode: Mode) -> None:
     weights = (mode.payload.get("weights") or {}) if mode.leader is not None else {}
     transport = transports().get(weights["transport"]) if weights.get("transport") else None
     if transport is not None:
-        transport.abandon(mode.call, weights, mode.used)
+        transport.abandon(mode.call, weights, mode.load)
 
 
 def _settle(result: Any, mode: Mode) -> Any:
@@ -319,8 +320,8 @@ def _settle(result: Any, mode: Mode) -> Any:
     but those this rank initialised itself, and give each transformers' "loaded" mark as the
     leader's has it."""
     model = _model_of(result)
-    if model is not None and mode.used.get("received") is not None:
-        entries, tensors, skip = mode.used["received"]
+    if model is not None and mode.load.received is not None:
+        entries, tensors, skip = mode.load.received
         weights = mode.payload["weights"]
         marked = weights.get("marked", {})
         owner = Owners(model)
@@ -340,7 +341,7 @@ def _settle(result: Any, mode: Mode) -> Any:
                 del tensor._is_hf_initialized
         transports().get(weights["transport"]).settle(mode.call, model, weights, tensors)
         # The model holds them now; no other reference may pin a mapping (see mapped_models).
-        mode.used["received"] = None
+        mode.load.received = None
     return result
 
 
@@ -359,7 +360,7 @@ def checkpoint_header(mode: Mode, checkpoint_file: Any,
     name = os.path.basename(str(checkpoint_file))
     if mode.lead:
         state = read()
-        mode.used.setdefault("headers", {})[name] = {
+        mode.load.headers[name] = {
             key: [str(t.dtype).removeprefix("torch."), list(t.shape)] for key, t in state.items()}
         return state, False
     header = _described_header(mode, checkpoint_file)
@@ -389,10 +390,11 @@ def _described_header(mode: Mode, checkpoint_file: Any) -> dict[str, Any] | None
 
 def _layout(mode: Mode) -> dict[str, Any] | None:
     """Follower: the checkpoint layout its node leader announced (read once per call)."""
-    if "layout" not in mode.used:
+    if not mode.load.layout_known:
         announced = mode.announcement() if mode.call.scope == "node" else None
-        mode.used["layout"] = (announced or {}).get("layout")
-    return mode.used["layout"]
+        mode.load.layout = (announced or {}).get("layout")
+        mode.load.layout_known = True
+    return mode.load.layout
 
 
 def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
@@ -442,11 +444,6 @@ def from_pretrained(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
         lead_with=_node_leader_load(name, wrapped, what)))
 
 
-# What a node leader that took part in the nodes' load publishes to its node as the reading
-# leader made it.
-_RELAYED: Final = ("loading_info", "conversions", "dtype_plan")
-
-
 def _node_leader_load(name: str, wrapped: Callable[..., Any],
                       what: str) -> Callable[..., Any]:
     """What a node leader runs: with several nodes on one shared hub cache (download scope
@@ -466,27 +463,32 @@ def _node_leader_load(name: str, wrapped: Callable[..., Any],
 
         def share(result: Any, call: Call, mode: Mode
                   ) -> tuple[dict[str, Any], Callable[[], None] | None]:
-            node_mode.used.setdefault("headers", {}).update(mode.used.get("headers", {}))
-            node_mode.used.update({key: mode.used.get(key) for key in _RELAYED})
+            node_mode.load.headers.update(mode.load.headers)
+            node_mode.load.describe(loading_info=mode.load.loading_info,
+                                    conversions=mode.load.conversions,
+                                    dtype_plan=mode.load.dtype_plan)
             try:
                 return _share(result, call, mode)
             finally:
                 # What the load converted into (its transport's prepare), sealed by the node's
                 # share: the node's share copies none of it.
-                if "arena" in mode.used:
-                    node_mode.used["arena"] = mode.used.pop("arena")
+                if mode.load.arena is not None:
+                    node_mode.load.arena, mode.load.arena = mode.load.arena, None
 
         def settle(result: Any, mode: Mode) -> Any:
             weights = mode.payload.get("weights") or {}
-            node_mode.used.setdefault("headers", {}).update(weights.get("headers", {}))
+            node_mode.load.headers.update(weights.get("headers", {}))
             # What this node's followers compare and initialise: what the reading leader did.
-            node_mode.used.update({key: weights.get(key) for key in _RELAYED})
+            node_mode.load.describe(loading_info=weights.get("loading_info"),
+                                    conversions=weights.get("conversions"),
+                                    dtype_plan=weights.get("dtype_plan"))
             result = _settle(result, mode)
-            arena = mode.used.pop("arena", None)
-            if arena is not None and mode.used.pop("joined", None) is not None:
+            arena, mode.load.arena = mode.load.arena, None
+            joined, mode.load.joined = mode.load.joined, None
+            if arena is not None and joined is not None:
                 # Received into it (the model holds the tensors now, nothing else may): the
                 # node's share copies nothing.
-                node_mode.used["arena"] = arena
+                node_mode.load.arena = arena
             elif arena is not None:  # the broadcast failed: this rank loaded plainly
                 arena.close()
             return result
@@ -512,27 +514,25 @@ def _load_pretrained_model(wrapped: Callable[..., Any], instance: Any, args: tup
     if mode.lead:
         # if _files_resolved did not already (no _get_dtype there)
         _announce_files(mode, files)
-        first = "loading_info" not in mode.used  # not an adapter's load inside the same call
+        first = not mode.load.described  # not an adapter's load inside the same call
         if first:  # followers decide the same from the same arguments and layout
-            mode.used["alongside"] = maps_as_plain(state_dict, files, load_config,
-                                                   mode.used.get("layout"))
-            mode.used["materialise_here"] = (mode.used["alongside"]
-                                             and state_of_a_new_thread())
-        if model is not None and first and not mode.used["alongside"]:  # nothing to share
-            _transport_of(mode.call).prepare(mode.call, model, mode.used)
+            mode.load.alongside = maps_as_plain(state_dict, files, load_config, mode.load.layout)
+            mode.load.materialise_here = mode.load.alongside and state_of_a_new_thread()
+        if model is not None and first and not mode.load.alongside:  # nothing to share
+            _transport_of(mode.call).prepare(mode.call, model, mode.load)
         result = wrapped(*args, **kwargs)
         if first:
-            mode.used["loading_info"] = describe_loading_info(result)
-            mode.used["conversions"] = _used_conversions(model, mapping)
-            mode.used["dtype_plan"] = dtype_plan(bound)
+            mode.load.describe(loading_info=describe_loading_info(result),
+                               conversions=_used_conversions(model, mapping),
+                               dtype_plan=dtype_plan(bound))
         return result
-    if "alongside" not in mode.used:  # the call's first load, not an adapter's after it
-        mode.used["alongside"] = False
+    if mode.load.alongside is None:  # the call's first load, not an adapter's after it
+        mode.load.alongside = False
         if maps_as_plain(state_dict, files, load_config, _layout(mode)):
             state = mapped_state_dict(_layout(mode), files)
             if state is not None:
-                mode.used["alongside"] = True
-                mode.used["materialise_here"] = state_of_a_new_thread()
+                mode.load.alongside = True
+                mode.load.materialise_here = state_of_a_new_thread()
                 return _load_alongside(wrapped, mode, args, kwargs, state)
     if not receive(mode, model, dtype_plan(bound)):
         return wrapped(*args, **kwargs)
@@ -564,8 +564,8 @@ def _load_alongside(wrapped: Callable[..., Any], mode: Mode, args: tuple[Any, ..
     else:
         kwargs = {**kwargs, "state_dict": state}
     result = wrapped(*args, **kwargs)
-    mode.used["received_bytes"] = sum(tensor.nbytes for tensor in state.values())
-    mode.used["received_how"] = "mapped from the checkpoint files"
+    mode.load.received_bytes = sum(tensor.nbytes for tensor in state.values())
+    mode.load.received_how = "mapped from the checkpoint files"
     return result
 
 
@@ -616,11 +616,11 @@ def _announce_files(mode: Mode, checkpoint_files: list[str] | None) -> None:
     """Leader: :func:`files_ready`, once per call, with the fingerprints of the call's local
     paths and the layout of its checkpoint files where its followers share its node
     (:mod:`patchload._alongside`)."""
-    if "files_ready" not in mode.used:
+    if not mode.load.files_announced:
         layout = describe(checkpoint_files) if mode.call.scope == "node" else None
-        mode.used["layout"] = layout
+        mode.load.layout, mode.load.layout_known = layout, True
         files_ready(mode.call, {"layout": layout, "local": mode.local})
-        mode.used["files_ready"] = True
+        mode.load.files_announced = True
 
 
 def _offline_on_followers(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],

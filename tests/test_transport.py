@@ -788,6 +788,7 @@ def test_shm_share_grows_the_arena_when_the_load_wrote_more_than_the_skeleton_ho
 def test_leader_whose_share_fails_holds_no_writable_shared_mapping(monkeypatch):
     """A forked child (a DataLoader worker) must not write into the leader's weights, as with a
     plain load's private memory: a failed share leaves the model out of the arena."""
+    from patchload.coordination.load_state import LoadState
     from patchload.transport import shm
     from patchload.transport.node_shm import ShmWeights
 
@@ -799,13 +800,13 @@ def test_leader_whose_share_fails_holds_no_writable_shared_mapping(monkeypatch):
 
     model = torch.nn.Linear(100, 100)
     transport = ShmWeights()
-    used: dict = {}
-    transport.prepare(FakeCall(), model, used)  # type: ignore[arg-type]
+    state = LoadState()
+    transport.prepare(FakeCall(), model, state)  # type: ignore[arg-type]
     for name in ("weight", "bias"):
-        setattr(model, name, torch.nn.Parameter(used["arena"].take(
+        setattr(model, name, torch.nn.Parameter(state.arena.take(
             getattr(model, name).shape, torch.float32).copy_(getattr(model, name).detach())))
     expected = [t.detach().clone() for t in model.parameters()]
-    arena = used["arena"]
+    arena = state.arena
     assert all(arena.owns(t) for t in model.parameters())
 
     def no_space(*args, **kwargs):
@@ -816,9 +817,9 @@ def test_leader_whose_share_fails_holds_no_writable_shared_mapping(monkeypatch):
 
     entries, unique = entries_of(model)
     try:
-        transport.share(FakeCall(), model, entries, unique, used)  # type: ignore[arg-type]
+        transport.share(FakeCall(), model, entries, unique, state)  # type: ignore[arg-type]
     except OSError:
-        transport.discard(model, used)  # what _load._share does
+        transport.discard(model, state)  # what _load._share does
     else:
         raise AssertionError("share did not fail")
     assert not any(arena.owns(t) for t in model.parameters())

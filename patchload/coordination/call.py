@@ -41,6 +41,7 @@ from . import protocol as _coordinate
 from . import rank0 as _rank0
 from . import replay as _replay
 from .key import Unrenderable, credentials_digest, deciding_arguments, digest, process_state
+from .load_state import LoadState
 from .scope import download_scope
 from .store import job_store
 
@@ -71,9 +72,9 @@ class Mode:
         lead: True on the leader, False on a follower.
         call: the enclosing coordinated call (one attempt of it).
         loads_model: the enclosing call loads model weights (it shares them on the leader).
-        used: per-call scratch space for the nested wrappers of a model load (weights
-            received, headers read); a library patch keeps its own per-call state in the
-            hooks it builds for the call (``patches/datasets.py``).
+        load: the model load's state on this rank, shared by the wrappers nested in the call
+            and its transport (:class:`.load_state.LoadState`); a library patch keeps its own
+            per-call state in the hooks it builds for the call (``patches/datasets.py``).
         pins: the hub files this rank's call resolved: ``{"<type>:<repo>:<path>": [commit,
             blob, size]}``, or ``None`` for a file found absent; ``{"<type>:<repo>:@<revision>":
             [commit]}`` for a revision it resolved (:func:`_pin_key`).
@@ -96,7 +97,7 @@ class Mode:
     lead: bool
     call: _coordinate.Call
     loads_model: bool = False
-    used: dict[str, Any] = field(default_factory=dict)
+    load: LoadState = field(default_factory=LoadState)
     pins: dict[str, Any] = field(default_factory=dict)
     leader: _coordinate.LeaderView | None = None
     cache_dir: str | os.PathLike[str] | None = None
@@ -437,7 +438,7 @@ class Hooks:
         what: human-readable description for logs and errors.
         scope: ``node`` or ``job``; the download scope when None.
         share: run by the leader on the result (with the call and the leader's mode, whose
-            ``used`` nested wrappers filled); returns extra payload for followers (weights) and a
+            ``load`` the nested wrappers filled); returns extra payload for followers (weights) and a
             step to run once the payload is published (or None).
         settle: run by a follower on its result before returning it.
         abandon: run by a follower that gives up on the leader's result (before its plain
@@ -697,10 +698,10 @@ def _leader_answers(leader: _coordinate.LeaderView, what: str) -> _replay.Leader
 
 
 def _weights_note(mode: Mode) -> str:
-    size = mode.used.get("received_bytes")
+    size = mode.load.received_bytes
     if size is None:
         return ""
-    return f", {size} bytes of weights {mode.used.get('received_how', 'taken')}"
+    return f", {size} bytes of weights {mode.load.received_how or 'taken'}"
 
 
 def _leader_succeeded(mode: Mode) -> bool:
@@ -819,10 +820,10 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
     or its error), else offline; a hub download or revision recorded, to be verified against
     the leader's; once the leader's same call returned (a model load's followers start at once:
     :meth:`Mode.wait_pin`). In a call whose
-    weights this rank loads alongside its leader (``used["alongside"]``), after the leader's
+    weights this rank loads alongside its leader (``load.alongside``), after the leader's
     outcome: the files the leader resolves after loading (a generation config) are in the cache
     only then."""
-    if mode.used.get("alongside"):
+    if mode.load.alongside:
         mode.payload  # noqa: B018 - waits for the outcome; raises the leader's failure
     elif name in _PINNED and not _IN_SNAPSHOT.get():
         mode.wait_pin(_pin_key(name, args, kwargs))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from patchload.coordination.load_state import LoadState
     from patchload.coordination.protocol import Call
 
 __all__ = ["WeightTransport"]
@@ -46,26 +47,26 @@ class WeightTransport(Protocol):
     collective: bool
     scope: str
 
-    def prepare(self, call: Call, model: torch.nn.Module, used: dict[str, Any]) -> None:
+    def prepare(self, call: Call, model: torch.nn.Module, state: LoadState) -> None:
         """Leader, before it reads the checkpoint into ``model`` (its skeleton, parameters on
-        the meta device): set up, in ``used`` (the call's scratch dict), where the load may
-        write its tensors so that :meth:`share` copies less."""
+        the meta device): set up, in ``state`` (the load's :class:`LoadState`), where the load
+        may write its tensors so that :meth:`share` copies less."""
         ...
 
-    def discard(self, model: torch.nn.Module, used: dict[str, Any]) -> None:
+    def discard(self, model: torch.nn.Module, state: LoadState) -> None:
         """Leader that prepared and will not share (a reason not to, or :meth:`share` raised):
         give ``model`` back what a plain load gives it, and release what :meth:`prepare` set
         up."""
         ...
 
     def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
-              tensors: list[torch.Tensor], used: dict[str, Any]
+              tensors: list[torch.Tensor], state: LoadState
               ) -> tuple[dict[str, Any], Callable[[], None] | None]:
         """Leader, after its load: make ``tensors`` (the model's unique CPU tensors, in the
         order of ``entries``: ``[name, kind, index, requires_grad]``) available to the
         followers. May re-point the leader's own tensors at the shared bytes (equal values).
         ``tensors`` is handed over: the transport may empty the list (so that each private
-        original can be freed as soon as its shared copy exists). ``used`` holds what
+        original can be freed as soon as its shared copy exists). ``state`` holds what
         :meth:`prepare` set up.
 
         Returns:
@@ -79,13 +80,13 @@ class WeightTransport(Protocol):
         ...
 
     def receive(self, call: Call, weights: dict[str, Any],
-                used: dict[str, Any]) -> list[torch.Tensor] | None:
+                state: LoadState) -> list[torch.Tensor] | None:
         """Follower: the leader's tensors, in order, with their shapes, dtypes and bytes; None
-        (and a logged reason) when this rank must load them itself. ``used`` is the call's
-        scratch dict (a collective receive runs once per call)."""
+        (and a logged reason) when this rank must load them itself. ``state`` is the load's
+        :class:`LoadState` (a collective receive runs once per call)."""
         ...
 
-    def abandon(self, call: Call, weights: dict[str, Any], used: dict[str, Any]) -> None:
+    def abandon(self, call: Call, weights: dict[str, Any], state: LoadState) -> None:
         """Follower giving up on the leader's result: whatever it still owes the others."""
         ...
 

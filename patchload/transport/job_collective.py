@@ -29,6 +29,7 @@ from ..coordination.store import job_store
 if TYPE_CHECKING:
     import torch
 
+    from ..coordination.load_state import LoadState
     from . import TensorMeta
     from .arena import BlobArena
 
@@ -198,50 +199,50 @@ class CollectiveWeights:
     verb = "received"
     collective = True
 
-    def prepare(self, call: Call, model: torch.nn.Module, used: dict[str, Any]) -> None:
+    def prepare(self, call: Call, model: torch.nn.Module, state: LoadState) -> None:
         """Leader: the leader sends from its own tensors. Those of a node leader that will
         then share them in its node (``PATCHLOAD_TRANSPORT=auto``, several nodes) are converted
         straight into that share's arena (:func:`patchload.transport.node_shm.prepare_arena`),
-        left in ``used["arena"]``."""
+        left in ``state.arena``."""
         if _node_share_follows():
             from .node_shm import prepare_arena
 
-            prepare_arena(model, used)
+            prepare_arena(model, state)
 
-    def discard(self, model: torch.nn.Module, used: dict[str, Any]) -> None:
+    def discard(self, model: torch.nn.Module, state: LoadState) -> None:
         """Leader: see :func:`patchload.transport.node_shm.discard_arena`."""
         from .node_shm import discard_arena
 
-        discard_arena(model, used)
+        discard_arena(model, state)
 
     def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
-              tensors: list[torch.Tensor], used: dict[str, Any]
+              tensors: list[torch.Tensor], state: LoadState
               ) -> tuple[dict[str, Any], Callable[[], None] | None]:
         """See :func:`share_collective` (the model's own tensors stay as loaded)."""
         return share_collective(call, tensors)
 
     def receive(self, call: Call, weights: dict[str, Any],
-                used: dict[str, Any]) -> list[torch.Tensor] | None:
+                state: LoadState) -> list[torch.Tensor] | None:
         """See :func:`receive_collective`; joins the broadcast once per call. A node leader
         that will share the tensors in its node (``PATCHLOAD_TRANSPORT=auto``, several nodes)
-        receives them into an arena, left in ``used["arena"]`` for that share."""
-        if "joined" not in used:
+        receives them into an arena, left in ``state.arena`` for that share."""
+        if not state.broadcast_joined:
             # One attempt per call: after a join that raised, the broadcast's rendezvous keys
             # are spent, and joining again (an abandon) would wait for members that left.
-            used["joined"] = None
+            state.broadcast_joined = True
             arena = None
             if _node_share_follows():
                 from . import TensorMeta
                 from .arena import BlobArena, capacity_for
 
-                arena = used["arena"] = BlobArena(capacity_for(
+                arena = state.arena = BlobArena(capacity_for(
                     TensorMeta.from_json(meta).nbytes for meta in weights["metas"]))
-            used["joined"] = receive_collective(weights, arena)
-        return used["joined"]
+            state.joined = receive_collective(weights, arena)
+        return state.joined
 
-    def abandon(self, call: Call, weights: dict[str, Any], used: dict[str, Any]) -> None:
+    def abandon(self, call: Call, weights: dict[str, Any], state: LoadState) -> None:
         """A member still takes part in the broadcast: the leader and the others wait for it."""
-        self.receive(call, weights, used)
+        self.receive(call, weights, state)
 
     def settle(self, call: Call, model: torch.nn.Module, weights: dict[str, Any],
                tensors: list[torch.Tensor]) -> None:

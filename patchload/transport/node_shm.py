@@ -25,6 +25,7 @@ from .tensors import Repoint, entries_of
 if TYPE_CHECKING:
     import torch
 
+    from ..coordination.load_state import LoadState
     from ..coordination.protocol import Call
 
 __all__ = ["ShmWeights"]
@@ -47,16 +48,16 @@ class ShmWeights:
         self.shares = OpenShares()
         self.mapped = MappedModels()
 
-    def prepare(self, call: Call, model: torch.nn.Module, used: dict[str, Any]) -> None:
+    def prepare(self, call: Call, model: torch.nn.Module, state: LoadState) -> None:
         """Leader: see :func:`prepare_arena`."""
-        prepare_arena(model, used)
+        prepare_arena(model, state)
 
-    def discard(self, model: torch.nn.Module, used: dict[str, Any]) -> None:
+    def discard(self, model: torch.nn.Module, state: LoadState) -> None:
         """Leader: see :func:`discard_arena`."""
-        discard_arena(model, used)
+        discard_arena(model, state)
 
     def share(self, call: Call, model: torch.nn.Module, entries: list[list[Any]],
-              tensors: list[torch.Tensor], used: dict[str, Any]
+              tensors: list[torch.Tensor], state: LoadState
               ) -> tuple[dict[str, Any], Callable[[], None] | None]:
         """Leader: write ``tensors`` into one blob (the arena of :meth:`prepare`, where the
         converted ones already are), re-pointing the model's tensors at it one at a time.
@@ -84,9 +85,9 @@ class ShmWeights:
                 _trim_heap()
                 untrimmed_bytes = 0
 
-        # The arena stays in used until the share succeeded: discard() needs it otherwise.
-        descriptor, _ = shm.share(pending, on_shared=on_shared, arena=used.get("arena"))
-        used.pop("arena", None)
+        # The arena stays in the state until the share succeeded: discard() needs it otherwise.
+        descriptor, _ = shm.share(pending, on_shared=on_shared, arena=state.arena)
+        state.arena = None
         if freed_any:
             _trim_heap()
         if descriptor.get("fd") is not None:  # followers open the blob through this process
@@ -100,7 +101,7 @@ class ShmWeights:
         return {"descriptor": descriptor}, None
 
     def receive(self, call: Call, weights: dict[str, Any],
-                used: dict[str, Any]) -> list[torch.Tensor] | None:
+                state: LoadState) -> list[torch.Tensor] | None:
         """Follower: map the leader's blob (None, with a warning, when it cannot be)."""
         from . import shm
 
@@ -111,7 +112,7 @@ class ShmWeights:
                            "weights from the checkpoint", call.prefix(), err)
             return None
 
-    def abandon(self, call: Call, weights: dict[str, Any], used: dict[str, Any]) -> None:
+    def abandon(self, call: Call, weights: dict[str, Any], state: LoadState) -> None:
         """Nothing: the leader never waits for a follower's mapping."""
 
     def settle(self, call: Call, model: torch.nn.Module, weights: dict[str, Any],
@@ -122,21 +123,21 @@ class ShmWeights:
             self.mapped.add(model, storages, f"{call.prefix()} {call.what}")
 
 
-def prepare_arena(model: torch.nn.Module, used: dict[str, Any]) -> None:
-    """Leader: ``used["arena"]``, an arena the size of ``model``'s tensors (their skeleton
+def prepare_arena(model: torch.nn.Module, state: LoadState) -> None:
+    """Leader: ``state.arena``, an arena the size of ``model``'s tensors (their skeleton
     dtypes), which a converting load writes into (:mod:`patchload._convert`): sharing then copies
     nothing. The memfd is made on the first conversion; a load that converts nothing makes none."""
     from .arena import BlobArena, capacity_for
 
-    used["arena"] = BlobArena(capacity_for(t.numel() * t.element_size()
-                                           for t in entries_of(model)[1]))
+    state.arena = BlobArena(capacity_for(t.numel() * t.element_size()
+                                         for t in entries_of(model)[1]))
 
 
-def discard_arena(model: torch.nn.Module, used: dict[str, Any]) -> None:
-    """Leader: move ``model``'s tensors out of ``used["arena"]`` into private memory (a
+def discard_arena(model: torch.nn.Module, state: LoadState) -> None:
+    """Leader: move ``model``'s tensors out of ``state.arena`` into private memory (a
     writable shared mapping would be shared with a forked child, where a plain load's memory is
     copy-on-write), then close it."""
-    arena = used.pop("arena", None)
+    arena, state.arena = state.arena, None
     if arena is None or arena.base is None:  # never opened: nothing was converted into it
         return
     entries, unique = entries_of(model)

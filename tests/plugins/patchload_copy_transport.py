@@ -21,14 +21,14 @@ class CopyWeights:
     verb = "copied"
     collective = False
 
-    def prepare(self, call: Any, model: Any, used: dict[str, Any]) -> None:
+    def prepare(self, call: Any, model: Any, state: Any) -> None:
         """Nothing to set up: the leader loads as a plain rank does."""
 
-    def discard(self, model: Any, used: dict[str, Any]) -> None:
+    def discard(self, model: Any, state: Any) -> None:
         """Nothing was set up."""
 
     def share(self, call: Any, model: Any, entries: list[list[Any]], tensors: list[Any],
-              used: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None] | None]:
+              state: Any) -> tuple[dict[str, Any], Callable[[], None] | None]:
         """Leader: one store key holding every tensor (safetensors bytes, by index)."""
         from safetensors.torch import save
 
@@ -39,14 +39,14 @@ class CopyWeights:
         return {"key": key, "count": len(tensors)}, None
 
     def receive(self, call: Any, weights: dict[str, Any],
-                used: dict[str, Any]) -> list[Any] | None:
+                state: Any) -> list[Any] | None:
         """Follower: its own tensors, loaded from the leader's bytes."""
         from safetensors.torch import load
 
         loaded = load(bytes(call.store.store.get(weights["key"])))
         return [loaded[str(i)] for i in range(weights["count"])]
 
-    def abandon(self, call: Any, weights: dict[str, Any], used: dict[str, Any]) -> None:
+    def abandon(self, call: Any, weights: dict[str, Any], state: Any) -> None:
         """Nothing: the leader waits for no follower."""
 
     def settle(self, call: Any, model: Any, weights: dict[str, Any], tensors: list[Any]) -> None:
