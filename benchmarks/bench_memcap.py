@@ -197,7 +197,6 @@ def main() -> int:
                              llama_spec(hidden=1024, layers=14, dtype="bfloat16"))
     served = {rid: folder for rid, folder, _ in repos.values()}
     served[LLAMA_ID] = demo_folder
-    searched: dict[int, tuple[str, Path, float]] = {}
     with measure.serve(served, out / "bench-memcap-hub.jsonl") as hub:
         hf_home = work / "hf"
         shutil.rmtree(hf_home, ignore_errors=True)
@@ -231,15 +230,17 @@ def main() -> int:
                     mid = (lo + hi) // 2
                     spec = llama_spec(hidden=HIDDEN, layers=mid, dtype="bfloat16")
                     name = f"llama-h{HIDDEN}-l{mid}-bfloat16"
-                    if mid not in searched:
-                        folder = llama_repo(out / "repos" / name, spec)
-                        hub.add_repo(f"bench/{name}", folder)
-                        warm([f"bench/{name}"], hub.endpoint, hf_home)
-                        searched[mid] = (f"bench/{name}", folder, param_count(spec) * 4 / 1e9)
-                    repo_id, folder, loaded = searched[mid]
+                    repo_id, loaded = f"bench/{name}", param_count(spec) * 4 / 1e9
+                    folder = llama_repo(out / "repos" / name, spec)
+                    hub.add_repo(repo_id, folder)
+                    warm([repo_id], hub.endpoint, hf_home)
                     r = load_job(f"search {mode} {loaded:.2f} GB", repo_id, "float32", hub=hub,
                                  hf_home=hf_home, work=work / "run", patched=patched,
                                  nproc=args.nproc, cap_bytes=cap)
+                    # A step's checkpoint is on disk twice (repo, cache): a search of several
+                    # GB-sized steps fills a disk unless each step removes its own.
+                    shutil.rmtree(folder)
+                    shutil.rmtree(hf_home / "hub" / f"models--bench--{name}")
                     print(f"- search, {mode}, {loaded:.2f} GB loaded (bf16 -> fp32): {_line(r)}",
                           flush=True)
                     if r["finished"]:
