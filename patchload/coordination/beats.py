@@ -57,15 +57,16 @@ def beat(call: Call, *, heartbeat: bool = False) -> None:
 
 
 def _beat_on(client: Store, call: Call) -> None:
-    n = client.add(call.key + "beat", 1)
-    client.set(call.key + f"beat/{n}", "")
+    keys = call.keys
+    n = client.add(keys.beats, 1)
+    client.set(keys.beat(n), "")
     if n > KEEP_BEAT_KEYS:
-        client.delete_key(call.key + f"beat/{n - KEEP_BEAT_KEYS}")
+        client.delete_key(keys.beat(n - KEEP_BEAT_KEYS))
 
 
 def read_beat(call: Call) -> int:
     """The beat counter of ``call`` now (the caller holds ``call.store.lock``)."""
-    return int(call.store.store.add(call.key + "beat", 0))
+    return int(call.store.store.add(call.keys.beats, 0))
 
 
 def wait_beat(call: Call, seen: int, timeout_s: float) -> None:
@@ -78,7 +79,7 @@ def wait_beat(call: Call, seen: int, timeout_s: float) -> None:
     unchanged. Its store wait is then ended by a beat of this follower's own (the one way to
     wake a store wait: set its key): the call's other followers wake once too and wait again,
     counting it as a sign of the leader's life (their silence clock restarts once)."""
-    call.store.wait_for(call.key + f"beat/{seen + 1}", timeout_s, wake=lambda: beat(call))
+    call.store.wait_for(call.keys.beat(seen + 1), timeout_s, wake=lambda: beat(call))
 
 
 class Heartbeat:
@@ -234,7 +235,7 @@ class LeaderWatch:
             self.unwatch(token)
             try:
                 with call.store.lock:
-                    call.store.store.set(call.key + f"beat/{seen + 1}", "")
+                    call.store.store.set(call.keys.beat(seen + 1), "")
             except Exception as err:  # noqa: BLE001 - the waiter then wakes at its bound
                 logger.debug("waking the followers of %s failed: %s", call.key, err)
         return True

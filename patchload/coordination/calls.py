@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .._config import Config
 from .._topology import Topology
+from .keys import AttemptKeys
 from .store import JobStore
 
 __all__ = ["Call", "Placement", "Role"]
@@ -61,6 +62,11 @@ class Call:
     attempt: int | None = None
     expected: int | None = None
     placement: Placement | None = None
+
+    @property
+    def keys(self) -> AttemptKeys:
+        """The store keys under ``key`` (one attempt's, after :func:`claim`)."""
+        return AttemptKeys(self.key)
 
     @property
     def base(self) -> str:

@@ -15,6 +15,7 @@ import time
 from .._logging import get_logger
 from .._topology import Topology
 from .identity import node_id, process_alive
+from .keys import AttemptKeys
 from .protocol import Call
 from .store import JobStore
 
@@ -38,20 +39,20 @@ def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
     Returns:
         Their global ranks, ascending.
     """
-    topology = call.topology
+    topology, keys = call.topology, call.keys
     ranks = topology.node_ranks() if call.scope == "node" else range(topology.world_size)
     pending = []
     with call.store.lock:
-        if not call.store.store.check([call.key + "leader"]):
+        if not call.store.store.check([keys.leader]):
             return []  # the call's keys are deleted: every rank of its scope finished with it
         for r in ranks:
-            if r == topology.rank or call.store.store.check([call.key + f"done/{r}"]):
+            if r == topology.rank or call.store.store.check([keys.done(r)]):
                 continue
-            if not call.store.store.check([call.key + f"arrived/{r}"]):
+            if not call.store.store.check([keys.arrived(r)]):
                 if not arrived_only:
                     pending.append(r)
                 continue
-            arrived = json.loads(call.store.store.get(call.key + f"arrived/{r}"))
+            arrived = json.loads(call.store.store.get(keys.arrived(r)))
             if not process_alive(arrived["node"], int(arrived["pid"])):
                 continue
             pending.append(r)
@@ -60,8 +61,8 @@ def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
 
 def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, *,
                settle_s: float = 1.0) -> list[int]:
-    """The ranks among ``ranks`` that took part in the call ``key`` (its leader, or a follower
-    that arrived) and whose process on this node has exited. Not collective.
+    """The ranks among ``ranks`` that took part in the attempt ``key`` (its keys' prefix; its
+    leader, or a follower that arrived) and whose process on this node has exited. Not collective.
 
     Ranks on other nodes cannot be watched and are never counted. Waits up to ``settle_s``
     seconds for one to be found: a peer's broken connection is seen a moment before its
@@ -70,16 +71,16 @@ def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, 
     Returns:
         Their global ranks, ascending (empty when none is known to be gone).
     """
-    here = node_id()
+    here, keys = node_id(), AttemptKeys(key)
     pids: dict[int, int] = {}
     with store.lock:
-        if store.store.check([key + "leader"]):
-            leader = json.loads(store.store.get(key + "leader"))
+        if store.store.check([keys.leader]):
+            leader = json.loads(store.store.get(keys.leader))
             if leader["node"] == here:
                 pids[int(leader["rank"])] = int(leader["pid"])
         for r in ranks:
-            if r not in pids and store.store.check([key + f"arrived/{r}"]):
-                arrived = json.loads(store.store.get(key + f"arrived/{r}"))
+            if r not in pids and store.store.check([keys.arrived(r)]):
+                arrived = json.loads(store.store.get(keys.arrived(r)))
                 if arrived["node"] == here:
                     pids[r] = int(arrived["pid"])
     deadline = time.monotonic() + settle_s

@@ -39,8 +39,9 @@ from .._topology import Topology
 from . import rank0 as _rank0
 from .beats import KEEP_BEAT_KEYS, Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
-from .key import digest
 from .calls import Call, Role
+from .key import digest
+from .keys import AttemptKeys, finished_key
 from .store import job_store
 
 __all__ = ["Call", "LeaderView", "Role", "announcement", "call_key", "claim", "files_ready",
@@ -143,7 +144,7 @@ def _claim(call: Call, *, retry_failed: bool = True
         outcome = None
         with call.store.lock:
             if holder is None:  # await_rank0 saw no claim: make one (or learn who holds it)
-                holder = call.store.store.compare_set(narrowed.key + "leader", "", me).decode()
+                holder = call.store.store.compare_set(narrowed.keys.leader, "", me).decode()
             if retry_failed and holder != me:
                 outcome = _published(narrowed)
         if outcome is None or outcome.get("ok"):
@@ -160,7 +161,7 @@ _LEADER_WATCH: Final = LeaderWatch()
 def publish(call: Call, outcome: dict[str, Any]) -> None:
     """Publish the leader's outcome for ``call`` (JSON-able dict). Not collective."""
     with call.store.lock:
-        call.store.store.set(call.key + "outcome", json.dumps(outcome))
+        call.store.store.set(call.keys.outcome, json.dumps(outcome))
     beat(call)
 
 
@@ -173,7 +174,7 @@ def files_ready(call: Call, announced: dict[str, Any] | None = None) -> None:
     that followers can start their own part of the call before the outcome, with what they need
     to check before it (JSON-able ``announced``, see :func:`announcement`). Not collective."""
     with call.store.lock:
-        call.store.store.set(call.key + "files", json.dumps(announced or {}))
+        call.store.store.set(call.keys.files, json.dumps(announced or {}))
     beat(call)
 
 
@@ -183,7 +184,7 @@ def publish_pins(call: Call, pins: dict[str, Any]) -> None:
     started at once make each of those calls from the cache as soon as it is there
     (:meth:`LeaderView.wait_pin`). Not collective."""
     with call.store.lock:
-        call.store.store.set(call.key + "pins", json.dumps(pins))
+        call.store.store.set(call.keys.pins, json.dumps(pins))
     beat(call)
 
 
@@ -191,9 +192,9 @@ def announcement(call: Call) -> dict[str, Any] | None:
     """Follower: what the leader announced with its files (:func:`files_ready`), or None (none
     announced, or not yet). Not collective; does not wait."""
     with call.store.lock:
-        if not call.store.store.check([call.key + "files"]):
+        if not call.store.store.check([call.keys.files]):
             return None
-        return json.loads(call.store.store.get(call.key + "files"))
+        return json.loads(call.store.store.get(call.keys.files))
 
 
 def wait_outcome(call: Call, role: Role, *,
@@ -289,13 +290,14 @@ def wait_outcome(call: Call, role: Role, *,
 _ABSENT: Final = "\x00absent"  # never a published value (JSON has no NUL outside strings)
 
 
-def _published(call: Call, name: str = "outcome") -> Any:
-    """What the leader of ``call`` published under ``name`` (its outcome), or None (the caller
-    holds the lock).
+def _published(call: Call, key: str | None = None) -> Any:
+    """What the leader of ``call`` published under ``key`` (None: its outcome), or None (the
+    caller holds the lock).
 
     One request: ``compare_set`` with an expected value no key holds writes nothing and returns
     the value, or the expected value when the key is absent."""
-    value = call.store.store.compare_set(call.key + name, _ABSENT, _ABSENT + "-never-written")
+    value = call.store.store.compare_set(key or call.keys.outcome, _ABSENT,
+                                         _ABSENT + "-never-written")
     return None if value == _ABSENT.encode() else json.loads(value)
 
 
@@ -312,7 +314,7 @@ def _outcome_or(call: Call, until: Callable[[], bool] | None
 def _announced(call: Call) -> bool:
     """Whether the leader announced its files (:func:`files_ready`)."""
     with call.store.lock:
-        return bool(call.store.store.check([call.key + "files"]))
+        return bool(call.store.store.check([call.keys.files]))
 
 
 def _bytes_under(path: str | None) -> int:
@@ -410,7 +412,7 @@ class LeaderView:
         def ready() -> bool:
             if key is None:
                 return _announced(self.call)
-            return key in (_published(self.call, "pins") or {})
+            return key in (_published(self.call, self.call.keys.pins) or {})
 
         if self._outcome is None:
             try:
@@ -429,7 +431,7 @@ class LeaderView:
         if outcome is not None and outcome.get("ok"):
             return ((outcome.get("payload") or {}).get("pins") or {}).get(key, default)
         with self.call.store.lock:
-            published = _published(self.call, "pins") or {}
+            published = _published(self.call, self.call.keys.pins) or {}
             if outcome is None and key not in published:  # published since? (the last pins
                 outcome = _published(self.call)           # are in the outcome only)
         if key in published:
@@ -524,7 +526,7 @@ def finish(call: Call, *, followers: bool = True) -> None:
     store = call.store
     try:
         with store.lock:
-            if store.store.add(call.base + "finished", 1) >= call.scope_size():
+            if store.store.add(finished_key(call.base), 1) >= call.scope_size():
                 _delete_keys(call, followers=followers)
     except Exception as err:  # noqa: BLE001 - cleanup only
         logger.debug("%s: deleting the store keys of %s failed: %s", call.prefix(), call.key,
@@ -540,18 +542,14 @@ def _delete_keys(call: Call, *, followers: bool = True) -> None:
     ranks = topology.node_ranks() if call.scope == "node" else range(topology.world_size)
     attempt = 0
     # Attempt 0 exists: every rank that finishes claimed it first.
-    while attempt == 0 or store.check([f"{call.base}a{attempt}/leader"]):
-        key = f"{call.base}a{attempt}/"
-        beats = int(store.add(key + "beat", 0))
-        names = ["leader", "outcome", "beat"]
-        names += [f"beat/{n}" for n in range(max(1, beats - KEEP_BEAT_KEYS), beats + 2)]
-        if followers:
-            names += ["files", "pins", "arrivals", "arrivals/all"]
-            names += [f"{what}/{r}" for r in ranks for what in ("arrived", "done")]
-        for name in names:
-            store.delete_key(key + name)
+    while attempt == 0 or store.check([AttemptKeys(f"{call.base}a{attempt}/").leader]):
+        keys = AttemptKeys(f"{call.base}a{attempt}/")
+        beats = int(store.add(keys.beats, 0))
+        for name in keys.written(beats=range(max(1, beats - KEEP_BEAT_KEYS), beats + 2),
+                                 ranks=ranks, followers=followers):
+            store.delete_key(name)
         attempt += 1
-    store.delete_key(call.base + "finished")
+    store.delete_key(finished_key(call.base))
 
 
 def leader_first(call: Call,
@@ -610,10 +608,10 @@ def leader_first(call: Call,
     logger.debug("%s: following", call.prefix(role.leader_rank))
     if early:  # a model load's leader shares with the followers that wait (its only reader)
         with call.store.lock:
-            call.store.store.set(call.key + f"arrived/{call.topology.rank}",
+            call.store.store.set(call.keys.arrived(call.topology.rank),
                                  json.dumps({"pid": os.getpid(), "node": node_id()}))
-            if call.store.store.add(call.key + "arrivals", 1) >= call.scope_size() - 1:
-                call.store.store.set(call.key + "arrivals/all", "")  # wakes a leader waiting
+            if call.store.store.add(call.keys.arrivals, 1) >= call.scope_size() - 1:
+                call.store.store.set(call.keys.arrivals_all, "")  # wakes a leader waiting
     # The claim read the outcome (a follower's always does): absent, the first wait skips it.
     leader = LeaderView(call, role, idle, outcome=seen, unread=seen is None and not idle)
     try:
@@ -630,5 +628,5 @@ def leader_first(call: Call,
     finally:
         if early:
             with call.store.lock:
-                call.store.store.set(call.key + f"done/{call.topology.rank}", "1")
+                call.store.store.set(call.keys.done(call.topology.rank), "1")
         finish(call, followers=early)

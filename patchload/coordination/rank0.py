@@ -442,7 +442,7 @@ def await_rank0(call: Call) -> str | None:
 def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
     store, placement, base = call.store, call.placement, call.base
     rank0 = scope_rank0(call)
-    leader = call.key + "leader"
+    leader = call.keys.leader
     # The common case of a warm loop, rank 0 ahead: its claim is there, one request. (The
     # anchor is not moved then: its offset changes only at a call rank 0 does not make, whose
     # next shared call finds rank 0's seqkey entry again below.)

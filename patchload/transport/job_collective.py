@@ -47,9 +47,10 @@ def _members(call: Call, expected: int) -> list[int]:
         _await_arrivals(call)
     ranks = [r for r in range(call.topology.world_size) if r != call.topology.rank]
     with call.store.lock:
-        present = {r: json.loads(call.store.store.get(call.key + f"arrived/{r}"))
-                   for r in ranks if call.store.store.check([call.key + f"arrived/{r}"])
-                   and not call.store.store.check([call.key + f"done/{r}"])}
+        keys = call.keys
+        present = {r: json.loads(call.store.store.get(keys.arrived(r)))
+                   for r in ranks if call.store.store.check([keys.arrived(r)])
+                   and not call.store.store.check([keys.done(r)])}
     return [r for r, who in present.items() if process_alive(who["node"], int(who["pid"]))]
 
 
@@ -64,22 +65,22 @@ def _await_arrivals(call: Call) -> None:
     store, topology, window = call.store, call.topology, call.config.arrival_window_s
 
     def wake() -> None:
-        _set(call, "arrivals/all")
+        _set(call, call.keys.arrivals_all)
 
     if call.config.transport == "collective":
-        store.wait_for(call.key + "arrivals/all", window, wake=wake)
+        store.wait_for(call.keys.arrivals_all, window, wake=wake)
         return
     mine = topology.node_of(topology.rank)
     leaders = [topology.node_ranks(n)[0] for n in range(topology.num_nodes) if n != mine]
     deadline = time.monotonic() + window
     blocked_since = None
-    while not store.wait_for(call.key + "arrivals/all",
+    while not store.wait_for(call.keys.arrivals_all,
                              min(_BLOCKED_SHOWN_S, deadline - time.monotonic()), wake=wake):
         now = time.monotonic()
         if now >= deadline:
             return
         with store.lock:
-            missing = [r for r in leaders if not store.store.check([call.key + f"arrived/{r}"])]
+            missing = [r for r in leaders if not store.store.check([call.keys.arrived(r)])]
             states = [json.loads(store.store.get(f"ranks/{r}/state"))
                       if store.store.check([f"ranks/{r}/state"]) else None for r in missing]
         if all(state and state.get("blocked") for state in states):
@@ -92,10 +93,10 @@ def _await_arrivals(call: Call) -> None:
             blocked_since = None
 
 
-def _set(call: Call, name: str) -> None:
-    """Set the key ``name`` of ``call`` (ends a wait for it)."""
+def _set(call: Call, key: str) -> None:
+    """Set the store key ``key``, empty (ends a wait for it)."""
     with call.store.lock:
-        call.store.store.set(call.key + name, "")
+        call.store.store.set(key, "")
 
 
 def share_collective(call: Call, tensors: list[torch.Tensor]
