@@ -291,7 +291,7 @@ def test_a_follower_whose_leader_failed_after_announcing_its_files_runs_its_own_
     seen: dict[str, object] = {}
 
     def lead(call: protocol.Call):
-        call.store.store.wait([call.key + "arrived/1"])  # the follower follows this attempt
+        call.store.store.wait([call.keys.arrived(1)])  # the follower follows this attempt
         protocol.files_ready(call)
         raise ValueError("the leader's own __init__ failed")
 

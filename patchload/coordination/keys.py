@@ -2,7 +2,7 @@
 
 A call's keys sit under its *base* (``<scope>/<function>/<digest>/<occurrence>/``, built by
 :func:`.protocol.call_key`); each attempt's under ``<base>a<n>/``. Every module that reads or
-writes one (``protocol``, ``beats``, ``followers``, ``transport.job_collective``) asks here,
+writes one (``protocol``, ``beats``, ``followers``, ``rank0``, ``transport.job_collective``) asks here,
 so that the deletion of a finished call (:func:`.protocol.finish`) can list them all.
 ``tests/golden/wire-*.json`` holds the names one model load writes. No I/O.
 """
@@ -26,9 +26,9 @@ class AttemptKeys:
     """The keys of one attempt of a call, under ``prefix`` (``<base>a<n>/``).
 
     Written by the leader: ``leader`` (its claim: rank, pid, node, JSON), ``outcome`` (JSON),
-    ``files`` (its announcement, JSON), ``pins`` (JSON), ``beat`` (a counter) and ``beat(n)``
-    (empty; set at each beat, which wakes the followers waiting for it). Written by a model
-    load's followers: ``arrived(r)`` (pid and node, JSON), ``arrivals`` (a counter),
+    ``files`` (its announcement, JSON), ``pins`` (JSON), ``beats`` (the counter, key ``beat``)
+    and ``beat(n)`` (empty; set at each beat, which wakes the followers waiting for it).
+    Written by a model load's followers: ``arrived(r)`` (pid and node, JSON), ``arrivals`` (a counter),
     ``arrivals_all`` (empty: every follower arrived) and ``done(r)``.
     """
 

@@ -36,7 +36,8 @@ class LoadState:
         broadcast_joined: collective followers: the transport's ``receive`` joined the call's
             broadcast (once per call: its rendezvous keys are spent after one join).
         joined: what that join gave this rank: the leader's tensors, or None (the broadcast
-            failed).
+            failed); a node leader's settle hands them on and clears it (never a second join:
+            ``broadcast_joined`` stays set).
         headers: leader: ``{file base name: {tensor key: [dtype, shape]}}`` of each checkpoint
             file it read (published with the weights; followers answer ``load_state_dict``
             from it).
