@@ -530,7 +530,7 @@ class _Coordinated:
         mode = Mode(lead=False, call=call, leader=leader, loads_model=self.hooks.loads_model,
                     cache_dir=self.kwargs.get("cache_dir"), asked_offline=asked,
                     replayed=replayed, answers=answers)
-        why = self._unshared(call, role.leader_rank, leader.payload)
+        why = self._unshared(call, role.leader_rank, leader.payload, role.leader_credentials)
         if why is not None:
             if self.hooks.abandon is not None and _leader_succeeded(mode):
                 self.hooks.abandon(mode)  # e.g. a broadcast this rank is a member of
@@ -579,10 +579,12 @@ class _Coordinated:
         return result
 
     def _unshared(self, call: _coordinate.Call, leader_rank: int,
-                  payload: Callable[[], dict[str, Any]] | None) -> str | None:
+                  payload: Callable[[], dict[str, Any]] | None,
+                  theirs: str | None = None) -> str | None:
         """Why this follower must not take the result of ``leader_rank``, whose credentials
         differ from its own (:func:`.credentials.unshareable`), or None. ``payload`` waits for
-        the leader's (None: it failed); asked only where the credentials differ."""
+        the leader's (None: it failed); asked only where the credentials differ. ``theirs``:
+        the leader's digest from its claim, if known."""
         if self.credentials is None:
             return None
 
@@ -597,7 +599,7 @@ class _Coordinated:
         try:
             with plain():
                 return _credentials.unshareable(call, leader_rank, self.credentials, pins,
-                                                self.source)
+                                                self.source, theirs)
         except Exception as err:  # noqa: BLE001 - a store failure: take nothing across them
             return f"whether rank {leader_rank}'s credentials are this rank's is unknown ({err})"
 

@@ -94,3 +94,6 @@ class Role:
     leader_rank: int
     leader_pid: int
     leader_node: str
+    leader_credentials: str | None = None
+    """The digest of the leader's default hub credentials when it claimed
+    (:func:`.key.credentials_digest`; None: its claim did not say)."""

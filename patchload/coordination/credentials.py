@@ -14,8 +14,10 @@ credentials after the leader looked).
 
 Each rank reports its digest (never the token) to the store key ``ranks/credentials`` at its
 first coordinated call, and again when it changes (:mod:`.rank0`); the last entry of a rank is
-its current one. With one token everywhere nothing here makes a request or writes a key: the
-leader reads ``ranks/credentials`` once per call, a follower once per call it follows.
+its current one. A leader's claim carries its digest too, so a follower compares its own with
+it and reads no reports. With one token everywhere nothing here makes a request or writes a
+key: the leader reads ``ranks/credentials`` once per call until every rank of the call's scope
+reported the leader's digest, then no more.
 
 Not collective; no function here waits for another rank.
 """
@@ -181,9 +183,7 @@ def publish_verdicts(call: Call, mine: str, pins: dict[str, Any]) -> None:
     anonymous request per repo not yet known to the job), so that its followers with other
     credentials decide without a request. A store or hub failure only leaves it to them."""
     try:
-        seen = digests(call.store)
-        ranks = _scope_ranks(call)
-        if not any(digest != mine for rank, digest in seen.items() if rank in ranks):
+        if not _others_differ(call, mine):
             return
         for (repo_type, repo_id), commit in sorted(repos_of(pins).items()):
             _verdict(call.store, repo_type, repo_id, commit)
@@ -192,19 +192,38 @@ def publish_verdicts(call: Call, mine: str, pins: dict[str, Any]) -> None:
                      err)
 
 
+def _others_differ(call: Call, mine: str) -> bool:
+    """Whether a rank of the call's scope reported other credentials than ``mine``. Once every
+    one of them reported ``mine``, remembered for the store (no more reads): a rank whose
+    credentials change later finds the leader's claim with other credentials and asks for
+    itself (:func:`unshareable`)."""
+    ranks = frozenset(_scope_ranks(call))
+    if (ranks, mine) in call.store.same_credentials:
+        return False
+    seen = digests(call.store)
+    if any(digest != mine for rank, digest in seen.items() if rank in ranks):
+        return True
+    if ranks <= seen.keys():
+        call.store.same_credentials.add((ranks, mine))
+    return False
+
+
 def unshareable(call: Call, leader_rank: int, mine: str,
                 pins: Callable[[], dict[str, Any] | None],
-                source: tuple[str, str] | None) -> str | None:
+                source: tuple[str, str] | None, theirs: str | None = None) -> str | None:
     """Follower: why it must not take the result of a leader whose credentials differ from
     ``mine`` (None: they are equal, or every repo the leader's call resolved is public; with no
     repo pinned, ``source``: the repo the call names). ``pins()`` waits for the leader's pins
     (None: it failed, and its error is not taken across credentials: its repos are unknown);
     called only where the credentials differ, so that with one token nobody waits here.
+    ``theirs``: the leader's digest as its claim carried it (:attr:`.calls.Role`); None: read
+    from its reports (one store request).
 
     Raises:
         Exception: a store failure (the caller then takes nothing across credentials).
     """
-    theirs = digests(call.store).get(leader_rank)
+    if theirs is None:
+        theirs = digests(call.store).get(leader_rank)
     if theirs == mine:
         return None
     leader_pins = pins()

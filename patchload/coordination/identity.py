@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -29,22 +30,31 @@ def kernel_id() -> str:
     """This process's kernel: its boot id. Processes of one kernel see one filesystem (and may
     share a download) even from two PID namespaces (containers with host networking). Falls back
     to the hostname's hash where ``/proc`` lacks it (not Linux)."""
-    try:
-        return Path(_BOOT_ID).read_text().strip()
-    except OSError:
-        import socket
-
-        return "host-" + hashlib.sha1(socket.gethostname().encode()).hexdigest()[:16]
+    return _identity(os.getpid())[0]
 
 
 def node_id() -> str:
     """This process's node: ``<boot id>/<pid namespace inode>``. Only processes of one node can
     watch each other's pids or open each other's file descriptors through ``/proc``."""
+    return _identity(os.getpid())[1]
+
+
+@functools.lru_cache(maxsize=1)
+def _identity(pid: int) -> tuple[str, str]:
+    """(kernel id, node id) of process ``pid`` (this one), read once per process: neither can
+    change while it runs (keyed by pid, so a forked child, perhaps in a new PID namespace,
+    reads its own); every coordinated call asks for them."""
+    try:
+        kernel = Path(_BOOT_ID).read_text().strip()
+    except OSError:
+        import socket
+
+        kernel = "host-" + hashlib.sha1(socket.gethostname().encode()).hexdigest()[:16]
     try:
         pid_ns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         pid_ns = 0
-    return f"{kernel_id()}/{pid_ns}"
+    return kernel, f"{kernel}/{pid_ns}"
 
 
 def process_alive(node: str, pid: int) -> bool:

@@ -40,7 +40,7 @@ from . import rank0 as _rank0
 from .beats import KEEP_BEAT_KEYS, Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
 from .calls import Call, Role
-from .key import digest
+from .key import credentials_digest, digest
 from .keys import AttemptKeys, finished_key
 from .store import job_store
 
@@ -134,7 +134,10 @@ def _claim(call: Call, *, retry_failed: bool = True
            ) -> tuple[Call, Role, dict[str, Any] | None]:
     """:func:`claim`, and the attempt's outcome where a follower found it already published
     (None: not read, or not there yet): a late follower then needs no second read of it."""
-    me = json.dumps({"rank": call.topology.rank, "pid": os.getpid(), "node": node_id()})
+    # The claim carries the leader's credentials digest: a follower compares its own with it
+    # without reading every rank's reports (.credentials).
+    me = json.dumps({"rank": call.topology.rank, "pid": os.getpid(), "node": node_id(),
+                     "credentials": credentials_digest()})
     attempt = 0
     while True:
         narrowed = dataclasses.replace(call, key=f"{call.key}a{attempt}/", attempt=attempt)
@@ -150,7 +153,7 @@ def _claim(call: Call, *, retry_failed: bool = True
         if outcome is None or outcome.get("ok"):
             info = json.loads(holder)
             return narrowed, Role(holder == me, int(info["rank"]), int(info["pid"]),
-                                  str(info["node"])), outcome
+                                  str(info["node"]), info.get("credentials")), outcome
         attempt += 1
 
 

@@ -66,12 +66,16 @@ class JobStore:
             :func:`patchload.transport.collective.private_group`), and so has the heartbeat
             (:meth:`heartbeat_client`).
         file: the node-local store's file (kind ``file`` only).
+        same_credentials: ``(ranks, digest)`` pairs where every one of ``ranks`` reported the
+            credentials ``digest`` (:mod:`.credentials`): a leader with that digest then reads
+            no reports for a call of those ranks.
     """
 
     store: Store
     kind: str
     lock: threading.RLock
     file: Path | None = None
+    same_credentials: set[tuple[frozenset[int], str]] = field(default_factory=set, repr=False)
     _idle: list[Store] = field(default_factory=list, repr=False)
     _heartbeat: Store | None = field(default=None, repr=False)
 
