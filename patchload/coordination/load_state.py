@@ -46,7 +46,7 @@ class LoadState:
             (:func:`patchload._alongside.describe`), or None (none, or job scope).
         described: ``loading_info``, ``conversions`` and ``dtype_plan`` are set: the call's
             first load finished on the leader, or a node leader got them from the reading
-            leader (:func:`patchload._load._node_leader_load`).
+            leader (:class:`patchload._load.NodeLeadersLoad`).
         loading_info: transformers' loading info of the leader's load (missing, unexpected,
             mismatched keys), as :func:`patchload._compat.describe_loading_info` gives it.
         conversions: the indices of the key conversions the leader's load applied
