@@ -2,17 +2,25 @@
 
     .venv/bin/python benchmarks/bench_datasets.py                     # ~200 MB parquet, 4 ranks
     .venv/bin/python benchmarks/bench_datasets.py --mb 20 --nproc 2   # quick check
+    .venv/bin/python benchmarks/bench_datasets.py --cache warm        # the warm cache alone
 
 A dataset repo of parquet shards (random lowercase words in a ``text`` column, with ``id`` and
 ``label`` int64 columns; ``--mb`` MB of text in all, seed 0, made once under
 ``--out``/repos) is served as a dataset repo by a loopback hub. Each run launches
-``benchmarks/_datasets_worker.py`` on ``--nproc`` ranks, all on one COLD ``HF_HOME`` (made
-empty before the run, shared by the run's ranks): ``datasets.load_dataset(repo)``, then
+``benchmarks/_datasets_worker.py`` on ``--nproc`` ranks, all on one ``HF_HOME`` (made empty
+before the run, shared by the run's ranks): ``datasets.load_dataset(repo)``, then
 ``train.map(tokenize, batched=True)`` (whitespace words, ids of the first 128; pure Python).
-Plain (``PATCHLOAD=0``) and patched runs are interleaved, ``--runs`` times each (1); medians.
 
-Figures (one markdown table; the ratio is patchload / plain, of the totals over ranks where a
-figure is per rank):
+``--cache`` (default ``both``) picks the ``HF_HOME`` a run starts on. COLD: empty. WARM: right
+before the measured launch, one plain (``PATCHLOAD=0``) launch of the same worker on 1 rank and
+the same ``HF_HOME`` downloads and prepares the dataset and writes the map's cache file (not
+measured; the hub's request log is cleared at the measured release), so the measured ranks
+find the prepared Arrow files and the map's cache file. Plain and patched runs are
+interleaved (per round: cold plain, cold patched, warm plain, warm patched), ``--runs``
+rounds (1); medians.
+
+Figures (a markdown table per cache, the same figures in each; the ratio is patchload / plain,
+of the totals over ranks where a figure is per rank):
 
 * hub requests / rank: requests the loopback hub answered to each rank (``origin/rank-N`` in
   the User-Agent), from the release of the ranks to the end of the run.
@@ -27,9 +35,10 @@ figure is per rank):
   50 ms) from the release to the end of the run, minus its value at the release, in MiB.
   Page cache (the parquet and Arrow files, memory-mapped) does not count. The two rows below
   it are the same peak over the load alone (release to the last ``load_dataset`` return) and
-  over the map alone (first ``map`` start to last return), both from the same baseline.
-* same as plain: every rank's loaded train split and mapped dataset have plain rank 0's
-  fingerprint, row count and a sha256 of three rows.
+  over the map alone (first ``map`` start to last return), both from the same baseline; a
+  window that holds no sample (a warm map takes about 20 ms) counts the last one before it.
+* same as plain: every rank's loaded train split and mapped dataset have the fingerprint, row
+  count and sha256 of three rows of rank 0 in the first plain run on the same cache.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from demo import measure  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_datasets_worker.py"
 MODES = ("plain", "patchload")
+CACHES = ("cold", "warm")
 
 
 def parquet_repo(folder: Path, *, mb: float, shards: int = 4, seed: int = 0) -> Path:
@@ -82,45 +92,69 @@ def parquet_repo(folder: Path, *, mb: float, shards: int = 4, seed: int = 0) -> 
     return folder
 
 
-def one(mode: str, label: str, repo_id: str, nproc: int, *, hub: Any, work: Path,
-        sampler: measure.MemorySampler, timeout_s: float) -> dict[str, Any] | None:
-    """One torchrun launch on a cold ``HF_HOME`` (``work``/hf: one path for both modes, so
-    that nothing a path decides differs); its figures, or None if it failed."""
-    shutil.rmtree(work, ignore_errors=True)
-    sync = work / "sync"
+def _launch(label: str, repo_id: str, nproc: int, *, patchload_on: bool, hub: Any,
+            hf_home: Path, folder: Path, log_dir: Path, timeout_s: float
+            ) -> tuple[measure.Run, dict[int, dict[str, Any]], dict[str, float]] | None:
+    """One torchrun launch of the worker on ``hf_home``, released by a file barrier in
+    ``folder``/sync: the run, each rank's RESULT (by rank) and the release marks; None if it
+    failed (its output then goes to ``log_dir``/LABEL.log)."""
+    sync = folder / "sync"
     sync.mkdir(parents=True)
-    env = measure.run_env(endpoint=hub.endpoint, hf_home=work / "hf",
-                          measure_dir=work / "measure", patchload_on=mode == "patchload",
+    env = measure.run_env(endpoint=hub.endpoint, hf_home=hf_home, measure_dir=folder / "measure",
+                          patchload_on=patchload_on,
                           extra={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
     marks: dict[str, float] = {}
-
     release = measure.release_when_imported(sync, nproc, hub, marks)
     run = measure.torchrun(label, WORKER, ["--dataset", repo_id, "--sync-dir", str(sync)],
-                           nproc=nproc, env=env, measure_dir=work / "measure",
+                           nproc=nproc, env=env, measure_dir=folder / "measure",
                            timeout_s=timeout_s, during=release)
     results = measure.results(run)
     if run.returncode != 0 or sorted(results) != list(range(nproc)) or "go" not in marks:
-        log = work.parent / f"{label.replace(' ', '-')}.log"
+        log = log_dir / f"{label.replace(' ', '-')}.log"
         log.write_text(run.output)
         print(f"- {label}: FAILED (exit {run.returncode}); log: {log}\n    "
               + "\n    ".join(run.output.splitlines()[-15:]))
         return None
+    return run, results, marks
+
+
+def one(mode: str, cache: str, label: str, repo_id: str, nproc: int, *, hub: Any, work: Path,
+        sampler: measure.MemorySampler, timeout_s: float) -> dict[str, Any] | None:
+    """One measured torchrun launch on ``HF_HOME`` = ``work``/hf (one path for both modes, so
+    that nothing a path decides differs), made empty first; for a ``"warm"`` cache, a plain
+    launch of the worker on one rank fills it right before (not measured). Its figures, or None
+    if a launch failed."""
+    shutil.rmtree(work, ignore_errors=True)
+    if cache == "warm" and _launch(f"{label} warm-up", repo_id, 1, patchload_on=False, hub=hub,
+                                   hf_home=work / "hf", folder=work / "warm-up",
+                                   log_dir=work.parent, timeout_s=timeout_s) is None:
+        return None
+    launched = _launch(label, repo_id, nproc, patchload_on=mode == "patchload", hub=hub,
+                       hf_home=work / "hf", folder=work, log_dir=work.parent,
+                       timeout_s=timeout_s)
+    if launched is None:
+        return None
+    run, results, marks = launched
     requests = {r: 0 for r in range(nproc)}
     sent = {r: 0 for r in range(nproc)}
     for req in hub.requests():
         requests[req.rank] = requests.get(req.rank, 0) + 1  # None: a request without a rank
         sent[req.rank] = sent.get(req.rank, 0) + req.bytes_sent
     ranks = [results[r] for r in range(nproc)]
+
+    def peak(start: float, end: float) -> int:
+        """Node peak over [start, end] above the release's baseline, in bytes (``at(end)``: a
+        window shorter than the sampling period holds no sample; the one before it counts)."""
+        return max(sampler.peak(start, end), sampler.at(end)) - marks["baseline"]
+
     figures = {
         "requests": requests, "bytes": sent,
         "ready_s": max(r["loaded_at"] for r in ranks) - marks["go"],
         "map_s": max(r["map_end"] for r in ranks) - min(r["map_start"] for r in ranks),
         "calls": [r["map_calls"] for r in ranks],
-        "peak": sampler.peak(marks["go"], run.ended_at) - marks["baseline"],
-        "peak_load": sampler.peak(marks["go"], max(r["loaded_at"] for r in ranks))
-        - marks["baseline"],
-        "peak_map": sampler.peak(min(r["map_start"] for r in ranks),
-                                 max(r["map_end"] for r in ranks)) - marks["baseline"],
+        "peak": peak(marks["go"], run.ended_at),
+        "peak_load": peak(marks["go"], max(r["loaded_at"] for r in ranks)),
+        "peak_map": peak(min(r["map_start"] for r in ranks), max(r["map_end"] for r in ranks)),
         "content": [(r["loaded"], r["mapped"]) for r in ranks],
     }
     shutil.rmtree(work / "hf", ignore_errors=True)  # a run's caches: ~3x the data on disk
@@ -142,45 +176,14 @@ def _total(values: dict[Any, int] | list[int]) -> int:
     return sum(values.values() if isinstance(values, dict) else values)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=float, default=200.0, help="MB of text in the parquet repo")
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
-    parser.add_argument("--out", type=Path, default=measure.REPO_ROOT / "demo-out")
-    args = parser.parse_args()
-
-    out = args.out.resolve()
-    name = f"parquet-{args.mb:g}mb"
-    folder = parquet_repo(out / "repos" / name, mb=args.mb)
-    files = sorted((folder / "data").glob("*.parquet"))
-    size = sum(f.stat().st_size for f in files)
-    repo_id = f"bench/{name}"
-    print(f"{repo_id}: {len(files)} parquet files, {size / 1e6:.1f} MB; {args.nproc} ranks",
-          flush=True)
-    work = out / "bench-datasets"
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    failed = False
-    with measure.serve({repo_id: folder}, out / "bench-datasets-hub.jsonl",
-                       repo_type="dataset") as hub, measure.MemorySampler() as sampler:
-        for i in range(args.runs):
-            for mode in MODES:
-                figures = one(mode, f"{mode} run {i + 1}", repo_id, args.nproc, hub=hub,
-                              work=work / "run", sampler=sampler, timeout_s=args.timeout)
-                failed |= figures is None
-                if figures is not None:
-                    runs[mode].append(figures)
-    if not runs["plain"] or not runs["patchload"]:
-        print("no complete pair of runs: no table")
-        return 1
-
+def _table(runs: dict[str, list[dict[str, Any]]]) -> tuple[str, bool]:
+    """The markdown table of one cache's runs (by mode) and whether every rank's datasets were
+    plain's (its first run's rank 0)."""
     def med(mode: str, key: str, f: Any = lambda v: v) -> float:
         return statistics.median(f(r[key]) for r in runs[mode])
 
     reference = runs["plain"][0]["content"][0]
     same = {m: all(c == reference for r in runs[m] for c in r["content"]) for m in MODES}
-    failed |= not all(same.values())
     last = {m: runs[m][-1] for m in MODES}  # per-rank figures: the last run's
     rows = []
     for what, key, shown, total in [
@@ -200,10 +203,56 @@ def main() -> int:
         rows.append([what, shown("plain"), shown("patchload"), ratio])
     rows.append(["same as plain", "yes" if same["plain"] else "NO",
                  "yes" if same["patchload"] else "NO", ""])
-    print(f"\n{repo_id} ({size / 1e6:.0f} MB parquet, {reference[0]['num_rows']} rows), "
-          f"{args.nproc} ranks, cold cache, medians of {args.runs} run(s); per-rank figures "
-          "from the last run, ratios of their totals:\n")
-    print(measure.markdown_table(["figure", "plain", "patchload", "patchload / plain"], rows))
+    table = measure.markdown_table(["figure", "plain", "patchload", "patchload / plain"], rows)
+    return table, all(same.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=200.0, help="MB of text in the parquet repo")
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--cache", choices=("cold", "warm", "both"), default="both",
+                        help="the HF_HOME a measured run starts on (both: a table for each)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument("--out", type=Path, default=measure.REPO_ROOT / "demo-out")
+    args = parser.parse_args()
+
+    out = args.out.resolve()
+    name = f"parquet-{args.mb:g}mb"
+    folder = parquet_repo(out / "repos" / name, mb=args.mb)
+    files = sorted((folder / "data").glob("*.parquet"))
+    size = sum(f.stat().st_size for f in files)
+    repo_id = f"bench/{name}"
+    print(f"{repo_id}: {len(files)} parquet files, {size / 1e6:.1f} MB; {args.nproc} ranks",
+          flush=True)
+    work = out / "bench-datasets"
+    caches = CACHES if args.cache == "both" else (args.cache,)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {m: [] for m in MODES} for c in caches}
+    failed = False
+    with measure.serve({repo_id: folder}, out / "bench-datasets-hub.jsonl",
+                       repo_type="dataset") as hub, measure.MemorySampler() as sampler:
+        for i in range(args.runs):
+            for cache in caches:
+                for mode in MODES:
+                    figures = one(mode, cache, f"{mode} {cache} run {i + 1}", repo_id,
+                                  args.nproc, hub=hub, work=work / "run", sampler=sampler,
+                                  timeout_s=args.timeout)
+                    failed |= figures is None
+                    if figures is not None:
+                        runs[cache][mode].append(figures)
+    for cache in caches:
+        if not runs[cache]["plain"] or not runs[cache]["patchload"]:
+            print(f"\n{cache} cache: no complete pair of runs: no table")
+            failed = True
+            continue
+        table, same = _table(runs[cache])
+        failed |= not same
+        rows = runs[cache]["plain"][0]["content"][0][0]["num_rows"]
+        print(f"\n{repo_id} ({size / 1e6:.0f} MB parquet, {rows} rows), {args.nproc} ranks, "
+              f"{cache} cache, medians of {args.runs} run(s); per-rank figures from the last run, "
+              "ratios of their totals:\n")
+        print(table)
     return 1 if failed else 0
 
 
