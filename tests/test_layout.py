@@ -100,7 +100,8 @@ FOUNDATION, COORDINATION, TRANSPORT, WEIGHTS, PATCHES, TOP, TESTING = range(7)
 LAYER_NAMES: Final = ("foundation", "coordination", "transport", "weights", "patches", "top",
                       "testing")
 LAYERS: Final[dict[str, int]] = {
-    # foundation: settings, ranks, errors, library differences, the install's state, patching
+    # foundation: settings, ranks, errors, library differences, the install's state, patching,
+    # background threads
     "patchload._config": FOUNDATION,
     "patchload._topology": FOUNDATION,
     "patchload._errors": FOUNDATION,
@@ -108,6 +109,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload._state": FOUNDATION,
     "patchload._patching": FOUNDATION,
     "patchload._logging": FOUNDATION,
+    "patchload._background": FOUNDATION,
     # coordination: ranks agree on one call through the store
     "patchload.coordination": COORDINATION,
     "patchload.coordination.beats": COORDINATION,

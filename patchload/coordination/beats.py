@@ -20,6 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Final
 
+from .._background import Loop
 from .._logging import get_logger
 from .identity import node_id, process_alive
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
     from .calls import Call, Role
 
-__all__ = ["JOIN_AT_EXIT_S", "KEEP_BEAT_KEYS", "Heartbeat", "LeaderWatch", "beat", "read_beat",
+__all__ = ["KEEP_BEAT_KEYS", "Heartbeat", "LeaderWatch", "beat", "read_beat",
            "wait_beat"]
 
 logger = get_logger(__name__)
@@ -36,10 +37,6 @@ logger = get_logger(__name__)
 # Beat keys kept: a follower slow between reading the counter and waiting still finds its key,
 # even after a burst of beats (a model load's leader beats for each hub call it pins).
 KEEP_BEAT_KEYS: Final = 32
-# Seconds the exit waits for each of patchload's background threads to leave its store request:
-# a daemon thread still inside one when the interpreter finalizes aborts the whole process
-# ("terminate called without an active exception").
-JOIN_AT_EXIT_S: Final = 2.0
 
 
 def beat(call: Call, *, heartbeat: bool = False) -> None:
@@ -85,30 +82,24 @@ def wait_beat(call: Call, seen: int, timeout_s: float) -> None:
 class Heartbeat:
     """One daemon thread per process that beats (:func:`beat`) every call it leads, once per
     ``PATCHLOAD_HEARTBEAT`` period, on a store client of its own: no other thread's request
-    (a wait in the store above all) can delay a beat past the followers' patience.
-
-    Stopped and joined at interpreter exit: a daemon thread still inside a store call when the
-    interpreter finalizes is killed while unwinding C++ frames, which aborts the whole process
-    ("terminate called without an active exception").
+    (a wait in the store above all) can delay a beat past the followers' patience. It runs
+    while the process leads a call (:class:`patchload._background.Loop`) and is stopped and
+    joined at interpreter exit.
     """
 
     def __init__(self) -> None:
         self._calls: dict[str, Call] = {}
+        self._due: dict[str, float] = {}  # call key -> when its next beat is due (the thread's)
         self._lock = threading.Lock()
         self._beating = threading.Lock()  # held by the thread while it beats a call
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._loop = Loop("patchload-heartbeat", period_s=0.1, busy=lambda: bool(self._calls),
+                          step=self._beat_due, lock=self._lock)
         atexit.register(self.stop)
 
     def add(self, call: Call) -> None:
         with self._lock:
             self._calls[call.key] = call
-            if self._stopping.is_set():
-                return
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="patchload-heartbeat",
-                                                daemon=True)
-                self._thread.start()
+            self._loop.ensure()
 
     def remove(self, call: Call) -> None:
         """Stop beating ``call``; waits for a beat under way (one store request)."""
@@ -118,31 +109,13 @@ class Heartbeat:
     def stop(self) -> None:
         """Stop beating and wait for the thread, at most ``JOIN_AT_EXIT_S`` (2 s; called at
         interpreter exit)."""
-        self._stopping.set()
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join(JOIN_AT_EXIT_S)
+        self._loop.stop()
 
-    def _run(self) -> None:
-        due: dict[str, float] = {}
-        while not self._stopping.is_set():
-            if not self._beat_due(due):
-                return
-            self._stopping.wait(0.1)
+    def _beat_due(self) -> None:
+        """Beat the calls that are due."""
         with self._lock:
-            self._thread = None
-
-    def _beat_due(self, due: dict[str, float]) -> bool:
-        """Beat the calls that are due; False (the thread ends) when none is led. A method of
-        its own so that no call (its store) stays referenced while the thread sleeps: a store
-        kept past destroy_process_group keeps rank 0's server socket, and a new group on the
-        same port breaks."""
-        with self._lock:
-            if not self._calls:
-                self._thread = None
-                return False
             calls = list(self._calls.values())
+        due = self._due
         for key in [key for key in due if key not in {call.key for call in calls}]:
             del due[key]  # calls no longer led: bounded over a long stream of calls
         now = time.monotonic()
@@ -164,13 +137,13 @@ class Heartbeat:
                         beat(call, heartbeat=True)
                     except Exception as err:  # noqa: BLE001 - a store hiccup must not kill it
                         logger.warning("heartbeat for %s failed: %s", call.key, err)
-        return True
 
 
 class LeaderWatch:
     """One daemon thread per process that watches the pids of the leaders on this node that
     its followers wait on, and wakes those followers (sets the beat key they wait for) as soon
-    as a leader's process is gone. Leaders on other nodes are not watched: their beats stop."""
+    as a leader's process is gone. Leaders on other nodes are not watched: their beats stop.
+    It runs while a follower waits (:class:`patchload._background.Loop`)."""
 
     _PERIOD_S: Final = 0.05
 
@@ -178,8 +151,8 @@ class LeaderWatch:
         self._waits: dict[int, tuple[Call, Role, int]] = {}
         self._tokens = itertools.count()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._loop = Loop("patchload-leader-watch", period_s=self._PERIOD_S,
+                          busy=lambda: bool(self._waits), step=self._check, lock=self._lock)
         atexit.register(self.stop)
 
     def watch(self, call: Call, role: Role, seen: int) -> int | None:
@@ -190,11 +163,7 @@ class LeaderWatch:
         with self._lock:
             token = next(self._tokens)
             self._waits[token] = (call, role, seen)
-            if not self._stopping.is_set() and (self._thread is None
-                                                 or not self._thread.is_alive()):
-                self._thread = threading.Thread(target=self._run, name="patchload-leader-watch",
-                                                daemon=True)
-                self._thread.start()
+            self._loop.ensure()
         return token
 
     def unwatch(self, token: int | None) -> None:
@@ -203,27 +172,11 @@ class LeaderWatch:
                 self._waits.pop(token, None)
 
     def stop(self) -> None:
-        self._stopping.set()
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join(JOIN_AT_EXIT_S)
+        self._loop.stop()
 
-    def _run(self) -> None:
-        while not self._stopping.wait(self._PERIOD_S):
-            if not self._check():
-                return
+    def _check(self) -> None:
+        """Wake the waits whose leader is gone."""
         with self._lock:
-            self._thread = None
-
-    def _check(self) -> bool:
-        """Wake the waits whose leader is gone; False (the thread ends) when none is left. A
-        method of its own so that no call is referenced while the thread sleeps (see
-        :meth:`Heartbeat._beat_due`)."""
-        with self._lock:
-            if not self._waits:
-                self._thread = None
-                return False
             waits = list(self._waits.items())
         alive: dict[int, bool] = {}
         for token, (call, role, seen) in waits:
@@ -238,4 +191,3 @@ class LeaderWatch:
                     call.store.store.set(call.keys.beat(seen + 1), "")
             except Exception as err:  # noqa: BLE001 - the waiter then wakes at its bound
                 logger.debug("waking the followers of %s failed: %s", call.key, err)
-        return True

@@ -45,8 +45,8 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Iterable
 
+from .._background import Loop
 from .._logging import get_logger
-from ..coordination.beats import JOIN_AT_EXIT_S
 
 if TYPE_CHECKING:
     import torch
@@ -84,8 +84,9 @@ class MappedModels:
         self._mapped: list[_Mapped] = []  # not yet copied out (nor refused) by before_writes
         self._watched: list[_Mapped] = []  # until the shared copy ended for them on this rank
         self._lock = threading.Lock()
-        self._watcher: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._watcher = Loop("patchload-mapped", period_s=_WATCH_S,
+                             busy=lambda: bool(self._watched), step=self._watch,
+                             lock=self._lock)
         self._exit_hooked = False
 
     def add(self, model: Any, storages: list[torch.UntypedStorage], prefix: str) -> None:
@@ -105,37 +106,20 @@ class MappedModels:
             if not self._exit_hooked:
                 atexit.register(self.stop_at_exit)
                 self._exit_hooked = True
-            if self._watcher is None and not self._stopping.is_set():
-                self._watcher = threading.Thread(target=self._watch, daemon=True,
-                                                 name="patchload-mapped")
-                self._watcher.start()
+            self._watcher.ensure()
 
     def stop_at_exit(self) -> None:
         """Stop and join the watcher (at most ``JOIN_AT_EXIT_S``): nothing is logged at exit."""
-        self._stopping.set()
-        with self._lock:
-            watcher = self._watcher
-        if watcher is not None:
-            watcher.join(JOIN_AT_EXIT_S)
+        self._watcher.stop()
 
     def _watch(self) -> None:
-        """Until no tracked model maps a blob: log each end of the shared copy (see the module
+        """While a tracked model maps a blob: log each end of the shared copy (see the module
         docstring)."""
-        try:
-            while not self._stopping.is_set():
-                with self._lock:
-                    if not self._watched:
-                        self._watcher = None  # under the lock: the next add starts a watcher
-                        return
-                    watched = list(self._watched)
-                for mapped in watched:
-                    if mapped.unmapped() and not self._stopping.is_set():
-                        self._ended(mapped)
-                self._stopping.wait(_WATCH_S)
-        except Exception as err:  # noqa: BLE001 - only a log line is lost
-            logger.debug("watching the mapped models failed: %s: %s", type(err).__name__, err)
         with self._lock:
-            self._watcher = None
+            watched = list(self._watched)
+        for mapped in watched:
+            if mapped.unmapped() and not self._watcher.stopping:
+                self._ended(mapped)
 
     def _ended(self, mapped: _Mapped) -> None:
         """The one INFO line saying that ``mapped``'s model no longer maps the node's shared

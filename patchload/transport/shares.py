@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from .._background import Loop
 from .._logging import get_logger
-from ..coordination.beats import JOIN_AT_EXIT_S
 from ..coordination.followers import pending_followers, wait_followers_done
 from ..coordination.protocol import Call
 
@@ -57,8 +57,9 @@ class OpenShares:
         self._shares: list[_Share] = []
         self._lock = threading.RLock()
         self._exit_hooked = False
-        self._watcher: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._watcher = Loop("patchload-shares", period_s=_WATCH_S,
+                             busy=lambda: bool(self._shares), step=self._watch,
+                             lock=self._lock)
 
     def add(self, call: Call, descriptor: dict[str, Any],
             storages: list[torch.UntypedStorage]) -> None:
@@ -73,10 +74,7 @@ class OpenShares:
                 atexit.register(self.release_at_exit)
                 self._exit_hooked = True
             self._shares.append(share)
-            if self._watcher is None and not self._stopping.is_set():
-                self._watcher = threading.Thread(target=self._watch, daemon=True,
-                                                 name="patchload-shares")
-                self._watcher.start()
+            self._watcher.ensure()
 
     def release_at_exit(self) -> None:
         """Wait (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived
@@ -85,11 +83,7 @@ class OpenShares:
         Stops and joins the watcher first (at most ``JOIN_AT_EXIT_S``, 2 s): a daemon thread
         still inside a store request when the interpreter finalizes aborts the process."""
         start = time.monotonic()
-        self._stopping.set()
-        with self._lock:
-            watcher = self._watcher
-        if watcher is not None:
-            watcher.join(JOIN_AT_EXIT_S)
+        self._watcher.stop()
         with self._lock:
             shares = list(self._shares)
         for share in shares:
@@ -98,23 +92,13 @@ class OpenShares:
             self._release(share)
 
     def _watch(self) -> None:
-        """Until no blob is open: notice a leader mapping that went (a model freed, moved to a
+        """While a blob is open: notice a leader mapping that went (a model freed, moved to a
         device, sharded) and close its blob once no follower may need it."""
-        try:
-            while not self._stopping.is_set():
-                with self._lock:
-                    if not self._shares:
-                        self._watcher = None  # under the lock: the next add starts a watcher
-                        return
-                    shares = list(self._shares)
-                for share in shares:
-                    if share.unmapped() and not self._stopping.is_set():
-                        self._close_if_done(share)
-                self._stopping.wait(_WATCH_S)
-        except Exception as err:  # noqa: BLE001 - the blobs left are closed at exit
-            logger.debug("watching the shared blobs failed: %s: %s", type(err).__name__, err)
         with self._lock:
-            self._watcher = None
+            shares = list(self._shares)
+        for share in shares:
+            if share.unmapped() and not self._watcher.stopping:
+                self._close_if_done(share)
 
     def _close_if_done(self, share: _Share) -> None:
         """Close the blob once every follower that arrived is done and, for ``_LATE_S`` seconds
