@@ -13,7 +13,7 @@ their config and skeleton while it downloads and loads, and wait for its tensors
 leader announces when its checkpoint files are resolved, with their layout. At
 the end every follower parameter and buffer is re-pointed at the leader's bytes, so the model
 equals a plain load bitwise. Building ``DistributedDataParallel`` or an optimizer over such
-weights first copies them out of the shared memory (:mod:`patchload._writes`).
+weights first copies them out of the shared memory (:mod:`patchload.weights.writes`).
 
 Steps aside (downloads still coordinated, weights loaded plainly, one INFO line says why) where a
 broadcast is unsafe or pointless: ``PATCHLOAD_BROADCAST=0``, DeepSpeed ZeRO-3, a ``device_map``
@@ -35,13 +35,13 @@ from ._convert import state_of_a_new_thread
 from ._errors import ConfigError
 from ._logging import get_logger
 from ._patching import Patch
-from ._writes import write_patches
 from .coordination.call import (Hooks, Mode, VerificationFailed, coordinated, current_mode,
                                 verify_so_far)
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
 from .transport.registry import transports
 from .transport.tensors import Owners, entries_of, named_tensors
+from .weights.writes import write_patches
 
 if TYPE_CHECKING:
     import torch

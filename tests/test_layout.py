@@ -136,9 +136,11 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.transport.shares": TRANSPORT,
     "patchload.transport.shm": TRANSPORT,
     "patchload.transport.tensors": TRANSPORT,
+    # weights/: load once, library-neutral
+    "patchload.weights": WEIGHTS,
+    "patchload.weights.writes": WEIGHTS,
     # weights and patches (the root modules that become weights/, transport/mapped_files and
     # patches/)
-    "patchload._writes": WEIGHTS,
     "patchload._convert": WEIGHTS,
     "patchload._alongside": WEIGHTS,
     "patchload._load": WEIGHTS,
