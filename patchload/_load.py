@@ -28,7 +28,6 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
-from ._alongside import describe, mapped_state_dict, maps_as_plain
 from ._compat import (describe_loading_info, dtype_plan, initialized_by_follower,
                       loaded_from_leader, warm_conversions)
 from ._convert import state_of_a_new_thread
@@ -39,6 +38,7 @@ from .coordination.call import (Hooks, Mode, VerificationFailed, coordinated, cu
                                 verify_so_far)
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
+from .transport.mapped_files import describe, mapped_state_dict, maps_as_plain
 from .transport.registry import transports
 from .transport.tensors import Owners, entries_of, named_tensors
 from .weights.writes import write_patches
@@ -378,8 +378,8 @@ def checkpoint_header(mode: Mode, checkpoint_file: Any,
 
 def _described_header(mode: Mode, checkpoint_file: Any) -> dict[str, Any] | None:
     """Follower: a checkpoint file's ``{key: [dtype, shape]}`` from the layout its leader
-    announced with its files (:mod:`patchload._alongside`), or None: known before the leader's
-    outcome."""
+    announced with its files (:mod:`patchload.transport.mapped_files`), or None: known before the
+    leader's outcome."""
     layout = _layout(mode)
     real = os.path.realpath(str(checkpoint_file))
     for file in (layout or {}).get("files", ()):
@@ -555,10 +555,10 @@ def _arguments(function: Callable[..., Any], args: tuple[Any, ...],
 def _load_alongside(wrapped: Callable[..., Any], mode: Mode, args: tuple[Any, ...],
                     kwargs: dict[str, Any], state: dict[str, Any]) -> Any:
     """Follower of a zero-copy load: transformers' own step, reading ``state`` (the checkpoint
-    files mapped, :func:`patchload._alongside.mapped_state_dict`) where it would open them,
-    while the leader loads. The hub calls the rest of the call makes (a generation config) wait
-    for the leader's outcome first (:func:`patchload.coordination.call._nested`): the leader
-    fetches those files after its weights."""
+    files mapped, :func:`patchload.transport.mapped_files.mapped_state_dict`) where it would open
+    them, while the leader loads. The hub calls the rest of the call makes (a generation config)
+    wait for the leader's outcome first (:func:`patchload.coordination.call._nested`): the
+    leader fetches those files after its weights."""
     if len(args) > 1:
         args = (args[0], state, *args[2:])
     else:
@@ -615,7 +615,7 @@ def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
 def _announce_files(mode: Mode, checkpoint_files: list[str] | None) -> None:
     """Leader: :func:`files_ready`, once per call, with the fingerprints of the call's local
     paths and the layout of its checkpoint files where its followers share its node
-    (:mod:`patchload._alongside`)."""
+    (:mod:`patchload.transport.mapped_files`)."""
     if not mode.load.files_announced:
         layout = describe(checkpoint_files) if mode.call.scope == "node" else None
         mode.load.layout, mode.load.layout_known = layout, True

@@ -130,6 +130,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.transport.base": TRANSPORT,
     "patchload.transport.collective": TRANSPORT,
     "patchload.transport.job_collective": TRANSPORT,
+    "patchload.transport.mapped_files": TRANSPORT,
     "patchload.transport.mapped_models": TRANSPORT,
     "patchload.transport.node_shm": TRANSPORT,
     "patchload.transport.registry": TRANSPORT,
@@ -142,7 +143,6 @@ LAYERS: Final[dict[str, int]] = {
     # weights and patches (the root modules that become weights/, transport/mapped_files and
     # patches/)
     "patchload._convert": WEIGHTS,
-    "patchload._alongside": WEIGHTS,
     "patchload._load": WEIGHTS,
     "patchload._hub": WEIGHTS,
     "patchload._dynamic": WEIGHTS,
