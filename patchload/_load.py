@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, Callable, Final
 from . import _state
 from ._compat import (describe_loading_info, dtype_plan, initialized_by_follower,
                       loaded_from_leader, warm_conversions)
-from ._convert import state_of_a_new_thread
 from ._errors import ConfigError
 from ._logging import get_logger
 from ._patching import Patch
@@ -38,6 +37,7 @@ from .coordination.call import (Hooks, Mode, VerificationFailed, coordinated, cu
                                 verify_so_far)
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
+from .patches.transformers.materialize import state_of_a_new_thread
 from .transport.mapped_files import describe, mapped_state_dict, maps_as_plain
 from .transport.registry import transports
 from .transport.tensors import Owners, entries_of, named_tensors

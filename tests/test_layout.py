@@ -142,11 +142,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.weights.writes": WEIGHTS,
     # weights and patches (the root modules that become weights/, transport/mapped_files and
     # patches/)
-    "patchload._convert": WEIGHTS,
-    "patchload._load": WEIGHTS,
     "patchload._hub": WEIGHTS,
-    "patchload._dynamic": WEIGHTS,
-    "patchload._diffusers": WEIGHTS,
     "patchload._first": WEIGHTS,
     # patches/: one module per library, and their registry
     "patchload.patches": PATCHES,
@@ -154,6 +150,13 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.patches.datasets_map": PATCHES,
     "patchload.patches.evaluate": PATCHES,
     "patchload.patches.hub_api": PATCHES,
+    "patchload.patches.transformers": PATCHES,
+    "patchload.patches.transformers.materialize": PATCHES,
+    "patchload.patches.transformers.remote_code": PATCHES,
+    # PreTrainedModel.from_pretrained's patches (weights/ and patches/transformers/ once split):
+    # they import patches.transformers.materialize; diffusers' reuse them
+    "patchload._load": PATCHES,
+    "patchload._diffusers": PATCHES,
     # top: the public API and doctor
     "patchload": TOP,
     "patchload.__main__": TOP,

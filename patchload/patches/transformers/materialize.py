@@ -27,8 +27,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from ._patching import Patch
-from .coordination.call import current_mode
+from ..._patching import Patch
+from ...coordination.call import current_mode
 
 __all__ = ["convert_patches", "state_of_a_new_thread"]
 
