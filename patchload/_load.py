@@ -1,18 +1,18 @@
 """Load once: followers get the leader's weights instead of reading the checkpoint.
 
-Wraps ``PreTrainedModel.from_pretrained`` (and the Auto model classes); :mod:`patchload._diffusers`
-reuses the same wrapper and steps for diffusers' ``ModelMixin``. The leader runs the original
-call, then shares every parameter and buffer (persistent or not) through a transport (the
-Protocol of :mod:`patchload.transport.base`: shared memory inside a node, a broadcast across
-nodes) and publishes where they are. Followers run the same original call from the cache, so
-configuration, dtype resolution, the meta-device skeleton, tying, ``eval()``, generation config
-and ``hf_device_map`` all come from transformers itself; only ``_load_pretrained_model`` (the step
-that reads checkpoint files) is replaced by assembling the leader's tensors. Followers start at
-once: each hub call of theirs waits only for the leader's same call (its pin), so they build
-their config and skeleton while it downloads and loads, and wait for its tensors only there; the
-leader announces when its checkpoint files are resolved, with their layout. At
-the end every follower parameter and buffer is re-pointed at the leader's bytes, so the model
-equals a plain load bitwise. Building ``DistributedDataParallel`` or an optimizer over such
+Wraps ``PreTrainedModel.from_pretrained`` (and the Auto model classes);
+:mod:`patchload.patches.diffusers` reuses the same wrapper and steps for diffusers' ``ModelMixin``.
+The leader runs the original call, then shares every parameter and buffer (persistent or not)
+through a transport (the Protocol of :mod:`patchload.transport.base`: shared memory inside a node,
+a broadcast across nodes) and publishes where they are. Followers run the same original call from
+the cache, so configuration, dtype resolution, the meta-device skeleton, tying, ``eval()``,
+generation config and ``hf_device_map`` all come from transformers itself; only
+``_load_pretrained_model`` (the step that reads checkpoint files) is replaced by assembling the
+leader's tensors. Followers start at once: each hub call of theirs waits only for the leader's same
+call (its pin), so they build their config and skeleton while it downloads and loads, and wait for
+its tensors only there; the leader announces when its checkpoint files are resolved, with their
+layout. At the end every follower parameter and buffer is re-pointed at the leader's bytes, so the
+model equals a plain load bitwise. Building ``DistributedDataParallel`` or an optimizer over such
 weights first copies them out of the shared memory (:mod:`patchload.weights.writes`).
 
 Steps aside (downloads still coordinated, weights loaded plainly, one INFO line says why) where a

@@ -148,15 +148,15 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.patches": PATCHES,
     "patchload.patches.datasets": PATCHES,
     "patchload.patches.datasets_map": PATCHES,
+    "patchload.patches.diffusers": PATCHES,
     "patchload.patches.evaluate": PATCHES,
     "patchload.patches.hub_api": PATCHES,
     "patchload.patches.transformers": PATCHES,
     "patchload.patches.transformers.materialize": PATCHES,
     "patchload.patches.transformers.remote_code": PATCHES,
     # PreTrainedModel.from_pretrained's patches (weights/ and patches/transformers/ once split):
-    # they import patches.transformers.materialize; diffusers' reuse them
+    # they import patches.transformers.materialize; patches.diffusers reuses them
     "patchload._load": PATCHES,
-    "patchload._diffusers": PATCHES,
     # top: the public API and doctor
     "patchload": TOP,
     "patchload.__main__": TOP,
