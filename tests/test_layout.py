@@ -140,8 +140,7 @@ LAYERS: Final[dict[str, int]] = {
     # weights/: load once, library-neutral
     "patchload.weights": WEIGHTS,
     "patchload.weights.writes": WEIGHTS,
-    # weights and patches (the root modules that become weights/, transport/mapped_files and
-    # patches/)
+    # the root patch modules not moved yet (to patches/hub.py, patches/transformers/ and the top)
     "patchload._hub": WEIGHTS,
     "patchload._first": WEIGHTS,
     # patches/: one module per library, and their registry
