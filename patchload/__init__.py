@@ -68,14 +68,14 @@ def install(config: Config | None = None) -> None:
 
 def _patches() -> list[Patch]:
     """Every patch :func:`install` lands, now or when its module is first imported."""
-    from ._convert import convert_patches
-    from ._diffusers import diffusers_patches
-    from ._dynamic import dynamic_module_patches
     from ._hub import hub_patches
     from ._load import load_patches
     from .coordination.call import context_patches
     from .coordination.rank0 import collective_patches
     from .patches import library_patches
+    from .patches.diffusers import diffusers_patches
+    from .patches.transformers.materialize import convert_patches
+    from .patches.transformers.remote_code import dynamic_module_patches
 
     return (hub_patches() + dynamic_module_patches() + load_patches() + convert_patches()
             + diffusers_patches() + context_patches() + collective_patches()

@@ -1,19 +1,19 @@
 """Load once: followers get the leader's weights instead of reading the checkpoint.
 
-Wraps ``PreTrainedModel.from_pretrained`` (and the Auto model classes); :mod:`patchload._diffusers`
-reuses the same wrapper and steps for diffusers' ``ModelMixin``. The leader runs the original
-call, then shares every parameter and buffer (persistent or not) through a transport (the
-Protocol of :mod:`patchload.transport.base`: shared memory inside a node, a broadcast across
-nodes) and publishes where they are. Followers run the same original call from the cache, so
-configuration, dtype resolution, the meta-device skeleton, tying, ``eval()``, generation config
-and ``hf_device_map`` all come from transformers itself; only ``_load_pretrained_model`` (the step
-that reads checkpoint files) is replaced by assembling the leader's tensors. Followers start at
-once: each hub call of theirs waits only for the leader's same call (its pin), so they build
-their config and skeleton while it downloads and loads, and wait for its tensors only there; the
-leader announces when its checkpoint files are resolved, with their layout. At
-the end every follower parameter and buffer is re-pointed at the leader's bytes, so the model
-equals a plain load bitwise. Building ``DistributedDataParallel`` or an optimizer over such
-weights first copies them out of the shared memory (:mod:`patchload._writes`).
+Wraps ``PreTrainedModel.from_pretrained`` (and the Auto model classes);
+:mod:`patchload.patches.diffusers` reuses the same wrapper and steps for diffusers' ``ModelMixin``.
+The leader runs the original call, then shares every parameter and buffer (persistent or not)
+through a transport (the Protocol of :mod:`patchload.transport.base`: shared memory inside a node,
+a broadcast across nodes) and publishes where they are. Followers run the same original call from
+the cache, so configuration, dtype resolution, the meta-device skeleton, tying, ``eval()``,
+generation config and ``hf_device_map`` all come from transformers itself; only
+``_load_pretrained_model`` (the step that reads checkpoint files) is replaced by assembling the
+leader's tensors. Followers start at once: each hub call of theirs waits only for the leader's same
+call (its pin), so they build their config and skeleton while it downloads and loads, and wait for
+its tensors only there; the leader announces when its checkpoint files are resolved, with their
+layout. At the end every follower parameter and buffer is re-pointed at the leader's bytes, so the
+model equals a plain load bitwise. Building ``DistributedDataParallel`` or an optimizer over such
+weights first copies them out of the shared memory (:mod:`patchload.weights.writes`).
 
 Steps aside (downloads still coordinated, weights loaded plainly, one INFO line says why) where a
 broadcast is unsafe or pointless: ``PATCHLOAD_BROADCAST=0``, DeepSpeed ZeRO-3, a ``device_map``
@@ -28,20 +28,20 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Final
 
 from . import _state
-from ._alongside import describe, mapped_state_dict, maps_as_plain
 from ._compat import (describe_loading_info, dtype_plan, initialized_by_follower,
                       loaded_from_leader, warm_conversions)
-from ._convert import state_of_a_new_thread
 from ._errors import ConfigError
 from ._logging import get_logger
 from ._patching import Patch
-from ._writes import write_patches
 from .coordination.call import (Hooks, Mode, VerificationFailed, coordinated, current_mode,
                                 verify_so_far)
 from .coordination.protocol import Call, files_ready, node_leaders_call
 from .coordination.scope import download_scope
+from .patches.transformers.materialize import state_of_a_new_thread
+from .transport.mapped_files import describe, mapped_state_dict, maps_as_plain
 from .transport.registry import transports
 from .transport.tensors import Owners, entries_of, named_tensors
+from .weights.writes import write_patches
 
 if TYPE_CHECKING:
     import torch
@@ -378,8 +378,8 @@ def checkpoint_header(mode: Mode, checkpoint_file: Any,
 
 def _described_header(mode: Mode, checkpoint_file: Any) -> dict[str, Any] | None:
     """Follower: a checkpoint file's ``{key: [dtype, shape]}`` from the layout its leader
-    announced with its files (:mod:`patchload._alongside`), or None: known before the leader's
-    outcome."""
+    announced with its files (:mod:`patchload.transport.mapped_files`), or None: known before the
+    leader's outcome."""
     layout = _layout(mode)
     real = os.path.realpath(str(checkpoint_file))
     for file in (layout or {}).get("files", ()):
@@ -571,10 +571,10 @@ def _arguments(function: Callable[..., Any], args: tuple[Any, ...],
 def _load_alongside(wrapped: Callable[..., Any], mode: Mode, args: tuple[Any, ...],
                     kwargs: dict[str, Any], state: dict[str, Any]) -> Any:
     """Follower of a zero-copy load: transformers' own step, reading ``state`` (the checkpoint
-    files mapped, :func:`patchload._alongside.mapped_state_dict`) where it would open them,
-    while the leader loads. The hub calls the rest of the call makes (a generation config) wait
-    for the leader's outcome first (:func:`patchload.coordination.call._nested`): the leader
-    fetches those files after its weights."""
+    files mapped, :func:`patchload.transport.mapped_files.mapped_state_dict`) where it would open
+    them, while the leader loads. The hub calls the rest of the call makes (a generation config)
+    wait for the leader's outcome first (:func:`patchload.coordination.call._nested`): the
+    leader fetches those files after its weights."""
     if len(args) > 1:
         args = (args[0], state, *args[2:])
     else:
@@ -631,7 +631,7 @@ def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
 def _announce_files(mode: Mode, checkpoint_files: list[str] | None) -> None:
     """Leader: :func:`files_ready`, once per call, with the fingerprints of the call's local
     paths and the layout of its checkpoint files where its followers share its node
-    (:mod:`patchload._alongside`)."""
+    (:mod:`patchload.transport.mapped_files`)."""
     if not mode.load.files_announced:
         layout = describe(checkpoint_files) if mode.call.scope == "node" else None
         mode.load.layout, mode.load.layout_known = layout, True

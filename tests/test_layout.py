@@ -132,28 +132,32 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.transport.base": TRANSPORT,
     "patchload.transport.collective": TRANSPORT,
     "patchload.transport.job_collective": TRANSPORT,
+    "patchload.transport.mapped_files": TRANSPORT,
     "patchload.transport.mapped_models": TRANSPORT,
     "patchload.transport.node_shm": TRANSPORT,
     "patchload.transport.registry": TRANSPORT,
     "patchload.transport.shares": TRANSPORT,
     "patchload.transport.shm": TRANSPORT,
     "patchload.transport.tensors": TRANSPORT,
-    # weights and patches (the root modules that become weights/, transport/mapped_files and
-    # patches/)
-    "patchload._writes": WEIGHTS,
-    "patchload._convert": WEIGHTS,
-    "patchload._alongside": WEIGHTS,
-    "patchload._load": WEIGHTS,
+    # weights/: load once, library-neutral
+    "patchload.weights": WEIGHTS,
+    "patchload.weights.writes": WEIGHTS,
+    # the root patch modules not moved yet (to patches/hub.py, patches/transformers/ and the top)
     "patchload._hub": WEIGHTS,
-    "patchload._dynamic": WEIGHTS,
-    "patchload._diffusers": WEIGHTS,
     "patchload._first": WEIGHTS,
     # patches/: one module per library, and their registry
     "patchload.patches": PATCHES,
     "patchload.patches.datasets": PATCHES,
     "patchload.patches.datasets_map": PATCHES,
+    "patchload.patches.diffusers": PATCHES,
     "patchload.patches.evaluate": PATCHES,
     "patchload.patches.hub_api": PATCHES,
+    "patchload.patches.transformers": PATCHES,
+    "patchload.patches.transformers.materialize": PATCHES,
+    "patchload.patches.transformers.remote_code": PATCHES,
+    # PreTrainedModel.from_pretrained's patches (weights/ and patches/transformers/ once split):
+    # they import patches.transformers.materialize; patches.diffusers reuses them
+    "patchload._load": PATCHES,
     # top: the public API and doctor
     "patchload": TOP,
     "patchload.__main__": TOP,

@@ -872,7 +872,7 @@ _JOBS: dict[str, Callable[[int, dict[str, Any]], dict[str, Any]]] = {
 }
 
 
-# --- zero-copy loads alongside the leader (patchload._alongside) ---------------------------------
+# --- zero-copy loads alongside the leader (patchload.transport.mapped_files) --------------------
 
 
 def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
@@ -895,7 +895,7 @@ def test_followers_map_the_described_checkpoint_as_safetensors_reads_it(tmp_path
     storage size and offset, and inference mode, made in the thread that asks for it."""
     from safetensors import safe_open
 
-    from patchload._alongside import describe, mapped_state_dict
+    from patchload.transport.mapped_files import describe, mapped_state_dict
 
     path = tmp_path / "model.safetensors"
     _checkpoint(path)
@@ -924,7 +924,7 @@ def test_followers_map_the_described_checkpoint_as_safetensors_reads_it(tmp_path
 
 
 def test_followers_map_only_the_very_files_the_leader_described(tmp_path):
-    from patchload._alongside import describe, mapped_state_dict
+    from patchload.transport.mapped_files import describe, mapped_state_dict
 
     path, other = tmp_path / "model.safetensors", tmp_path / "other.safetensors"
     _checkpoint(path)
@@ -948,7 +948,7 @@ def test_a_load_runs_alongside_only_where_every_tensor_stays_a_view_of_its_file(
         pytest.skip("transformers 4.x: followers take the leader's tensors (no state-dict step)")
     from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
 
-    from patchload._alongside import describe, maps_as_plain
+    from patchload.transport.mapped_files import describe, maps_as_plain
 
     path = tmp_path / "model.safetensors"
     from safetensors.torch import save_file

@@ -497,7 +497,7 @@ def test_a_load_materialises_in_its_own_thread_only_in_a_new_threads_torch_state
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from patchload._convert import state_of_a_new_thread
+    from patchload.patches.transformers.materialize import state_of_a_new_thread
 
     class Passing(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -514,7 +514,7 @@ def test_a_load_materialises_in_its_own_thread_only_in_a_new_threads_torch_state
 def test_where_no_thread_can_start_a_load_materialises_as_a_plain_one(monkeypatch):
     import threading
 
-    from patchload._convert import state_of_a_new_thread
+    from patchload.patches.transformers.materialize import state_of_a_new_thread
 
     def refuse(thread):
         raise RuntimeError("can't start new thread")

@@ -13,7 +13,7 @@ step writes the parameters it was given.
 
 So the two calls that announce those writes, ``DistributedDataParallel(module)`` and
 ``Optimizer.add_param_group`` (every optimizer's constructor calls it) with parameters that
-require a gradient (patched by :func:`patchload._writes.write_patches`, which calls
+require a gradient (patched by :func:`patchload.weights.writes.write_patches`, which calls
 :meth:`MappedModels.before_writes`), first copy every tensor of the affected loaded model that
 maps a shared blob into private memory of this rank, in bulk, and drop the mapping. Once every
 rank of the node has done so (and the leader closed the blob's fd) the shared copy is gone and

@@ -2,10 +2,10 @@
 
 The node leader's tensors end in one blob (:func:`patchload.transport.shm.share`): a converting
 load writes them there as it converts (:meth:`ShmWeights.prepare` makes the arena,
-:mod:`patchload._convert` fills it), and so does a node leader receiving a broadcast from another
-node; any other tensor is copied in, each of the leader's tensors re-pointed at the blob as soon
-as it is there (so it never holds two copies). The leader keeps the blob's fd open for its
-followers (:class:`patchload.transport.shares.OpenShares`).
+:mod:`patchload.patches.transformers.materialize` fills it), and so does a node leader receiving a
+broadcast from another node; any other tensor is copied in, each of the leader's tensors re-pointed
+at the blob as soon as it is there (so it never holds two copies). The leader keeps the blob's fd
+open for its followers (:class:`patchload.transport.shares.OpenShares`).
 Followers map it (:func:`patchload.transport.shm.attach`). Every model mapping a blob is tracked
 (:class:`patchload.transport.mapped_models.MappedModels`) so that its weights leave the shared
 copy before they are written.
@@ -125,8 +125,9 @@ class ShmWeights:
 
 def prepare_arena(model: torch.nn.Module, state: LoadState) -> None:
     """Leader: ``state.arena``, an arena the size of ``model``'s tensors (their skeleton
-    dtypes), which a converting load writes into (:mod:`patchload._convert`): sharing then copies
-    nothing. The memfd is made on the first conversion; a load that converts nothing makes none."""
+    dtypes), which a converting load writes into
+    (:mod:`patchload.patches.transformers.materialize`): sharing then copies nothing. The memfd is
+    made on the first conversion; a load that converts nothing makes none."""
     from .arena import BlobArena, capacity_for
 
     state.arena = BlobArena(capacity_for(t.numel() * t.element_size()

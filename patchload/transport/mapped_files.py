@@ -23,7 +23,7 @@ import os
 import struct
 from typing import TYPE_CHECKING, Any, Final, Sequence
 
-from ._logging import get_logger
+from .._logging import get_logger
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +66,7 @@ def describe(paths: Sequence[str] | None) -> dict[str, Any] | None:
 
 
 def _describe_file(path: str) -> dict[str, Any]:
-    from .transport import dtype_from_str
+    from . import dtype_from_str
 
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
@@ -136,8 +136,8 @@ def mapped_state_dict(layout: dict[str, Any], checkpoint_files: Sequence[str]
         The state dict, or None (logged at DEBUG) when this rank's files are not the ones the
         leader described (another path, or a file changed since) or cannot be mapped.
     """
-    from .transport import TransportError
-    from .transport.shm import map_file
+    from . import TransportError
+    from .shm import map_file
 
     described = {file["path"]: file for file in layout["files"]}
     state: dict[str, MappedSlice] = {}
@@ -182,8 +182,8 @@ class MappedSlice:
     def __getitem__(self, index: Any) -> torch.Tensor:
         import torch
 
-        from .transport import dtype_from_str
-        from .transport.shm import contiguous_stride, empty_tensor, tensor_view
+        from . import dtype_from_str
+        from .shm import contiguous_stride, empty_tensor, tensor_view
 
         dtype, stride = dtype_from_str(self._dtype), contiguous_stride(self._shape)
         inference = torch.is_inference_mode_enabled()

@@ -23,9 +23,9 @@ import importlib
 from pathlib import Path
 from typing import Any, Callable
 
-from . import _state
-from .coordination.call import Hooks, add_pins, coordinated, current_mode, without_waiting
-from ._patching import Patch
+from ... import _state
+from ...coordination.call import Hooks, add_pins, coordinated, current_mode, without_waiting
+from ..._patching import Patch
 
 __all__ = ["dynamic_module_patches"]
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from ._logging import get_logger
-from ._patching import Patch
+from .._logging import get_logger
+from .._patching import Patch
 
 if TYPE_CHECKING:
     import torch
 
-    from .transport.mapped_models import MappedModels
+    from ..transport.mapped_models import MappedModels
 
 __all__ = ["write_patches"]
 

@@ -27,10 +27,10 @@ import inspect
 import sys
 from typing import Any, Callable, Final
 
-from .coordination.call import current_mode
-from ._load import checkpoint_header, from_pretrained, receive
-from ._patching import Patch
-from ._topology import current_topology
+from ..coordination.call import current_mode
+from .._load import checkpoint_header, from_pretrained, receive
+from .._patching import Patch
+from .._topology import current_topology
 
 __all__ = ["diffusers_patches"]
 

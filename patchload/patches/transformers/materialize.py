@@ -11,16 +11,15 @@ same kernel, so the same bytes, as ``.to``). Sharing then copies nothing
 inputs, sharding, another device, no room left) is materialised exactly as transformers does.
 
 A load whose every tensor stays a view of its file (``mode.load.alongside``, see
-:func:`patchload._alongside.maps_as_plain`: a leader's or its followers' zero-copy load) has
-nothing for the pool's threads to do: each ``tensor[...]`` is a view and ``.to`` returns it.
-Its tensors are materialised in the calling thread instead (transformers' own deferred path,
-as with ``HF_DEACTIVATE_ASYNC_LOAD``), but only where that thread's torch state is a new
-thread's (:func:`state_of_a_new_thread`): a tensor made under the caller's
-``torch.inference_mode()`` would be an inference tensor, where the pool's is not. Measured
-(fp32 models loaded as fp32, 2 ranks on 2 cores, while its followers waited): a leader's
-threads switched context about 1,000 times in the pool's 80-100 ms, and the load took 1.1-1.2x
-a plain one (500 MB and 1 GB); in the calling thread, 20 times and 0.9-1.0x. One worker thread
-instead of the pool's two still took 1.17x.
+:func:`patchload.transport.mapped_files.maps_as_plain`: a leader's or its followers' zero-copy
+load) has nothing for the pool's threads to do: each ``tensor[...]`` is a view and ``.to`` returns
+it. Its tensors are materialised in the calling thread instead (transformers' own deferred path, as
+with ``HF_DEACTIVATE_ASYNC_LOAD``), but only where that thread's torch state is a new thread's
+(:func:`state_of_a_new_thread`): a tensor made under the caller's ``torch.inference_mode()`` would
+be an inference tensor, where the pool's is not. Measured (fp32 models loaded as fp32, 2 ranks on 2
+cores, while its followers waited): a leader's threads switched context about 1,000 times in the
+pool's 80-100 ms, and the load took 1.1-1.2x a plain one (500 MB and 1 GB); in the calling thread,
+20 times and 0.9-1.0x. One worker thread instead of the pool's two still took 1.17x.
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from ._patching import Patch
-from .coordination.call import current_mode
+from ..._patching import Patch
+from ...coordination.call import current_mode
 
 __all__ = ["convert_patches", "state_of_a_new_thread"]
 
