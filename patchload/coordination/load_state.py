@@ -1,10 +1,11 @@
 """A model load's state on one rank for one coordinated call, shared by the wrappers nested in it.
 
 ``from_pretrained`` of a model is one coordinated call (:mod:`.call`); inside it transformers
-calls the functions that :mod:`patchload._load`, :mod:`patchload._convert` and
-:mod:`patchload._diffusers` wrap, and the transport (:mod:`patchload.transport`) is handed the
-same object. Each of them finds here what an earlier one decided or recorded for this call: a
-field per fact, so that a reader can find every writer of one with grep. No I/O.
+calls the functions that :mod:`patchload._load`,
+:mod:`patchload.patches.transformers.materialize` and :mod:`patchload.patches.diffusers` wrap,
+and the transport (:mod:`patchload.transport`) is handed the same object. Each of them finds
+here what an earlier one decided or recorded for this call: a field per fact, so that a reader
+can find every writer of one with grep. No I/O.
 
 It sits in the coordination layer because :class:`patchload.coordination.call.Mode` holds it;
 the types it holds of higher layers (a transport's arena) are named in comments only.
@@ -25,10 +26,11 @@ class LoadState:
 
     Attributes:
         alongside: the call's first load maps its checkpoint files on followers
-            (:mod:`patchload._alongside`); None until that load decided it (an adapter's load
-            inside the same call then keeps the decision).
+            (:mod:`patchload.transport.mapped_files`); None until that load decided it (an
+            adapter's load inside the same call then keeps the decision).
         materialise_here: the mapped tensors a dtype conversion would copy are copied on this
-            thread (:func:`patchload._convert.state_of_a_new_thread`), as a plain load's are.
+            thread (:func:`patchload.patches.transformers.materialize.state_of_a_new_thread`),
+            as a plain load's are.
         arena: leader: a transport's ``BlobArena`` (:mod:`patchload.transport.arena`) the load
             converts into, set by the transport's ``prepare`` and taken by its ``share`` (or
             closed by ``discard``); a job-collective follower: the arena it received into,
@@ -43,7 +45,7 @@ class LoadState:
             from it).
         layout_known: ``layout`` is set (a follower reads its leader's announcement once).
         layout: the checkpoint layout the node leader announced with its files
-            (:func:`patchload._alongside.describe`), or None (none, or job scope).
+            (:func:`patchload.transport.mapped_files.describe`), or None (none, or job scope).
         described: ``loading_info``, ``conversions`` and ``dtype_plan`` are set: the call's
             first load finished on the leader, or a node leader got them from the reading
             leader (:class:`patchload._load.NodeLeadersLoad`).
