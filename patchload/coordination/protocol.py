@@ -37,11 +37,12 @@ from .._errors import (
 from .._logging import get_logger
 from .._topology import Topology
 from . import rank0 as _rank0
-from .beats import KEEP_BEAT_KEYS, Heartbeat, LeaderWatch, beat, read_beat, wait_beat
+from .beats import Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
 from .calls import Call, Role
 from .key import credentials_digest, digest
-from .keys import AttemptKeys, finished_key
+from .keys import finished_key
+from .reaper import KeyReaper, delete_keys
 from .store import job_store
 
 __all__ = ["Call", "LeaderView", "Role", "announcement", "call_key", "claim", "files_ready",
@@ -159,6 +160,7 @@ def _claim(call: Call, *, retry_failed: bool = True
 
 _HEARTBEAT: Final = Heartbeat()
 _LEADER_WATCH: Final = LeaderWatch()
+_REAPER: Final = KeyReaper()
 
 
 def publish(call: Call, outcome: dict[str, Any]) -> None:
@@ -517,7 +519,9 @@ def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
 def finish(call: Call, *, followers: bool = True) -> None:
     """This rank is done with ``call`` (with every attempt of it): count it out. The last rank
     of the call's scope to do so deletes the call's keys, so that the store stays bounded over a
-    job's calls. Not collective; never waits; never raises (a store failure only leaves keys).
+    job's calls (a call that loads no model has them deleted on the key reaper's thread:
+    :mod:`.reaper`). Not collective; never waits; never raises (a store failure only leaves
+    keys).
 
     Keys of a call that some rank of its scope never makes stay until the job's store goes:
     torchrun's agent store ends with the job, and the last process out removes a node-local one.
@@ -529,30 +533,18 @@ def finish(call: Call, *, followers: bool = True) -> None:
     store = call.store
     try:
         with store.lock:
-            if store.store.add(finished_key(call.base), 1) >= call.scope_size():
-                _delete_keys(call, followers=followers)
+            if store.store.add(finished_key(call.base), 1) < call.scope_size():
+                return
+            if followers:  # a model load: seconds long, its deletions are not felt
+                delete_keys(store.store, call)
+                return
+        # A small call (a config, a warm download: a few ms) leaves them to the reaper's
+        # thread: the rank that finished last does not pay about nine requests before its
+        # next call.
+        _REAPER.add(call, followers=False)
     except Exception as err:  # noqa: BLE001 - cleanup only
         logger.debug("%s: deleting the store keys of %s failed: %s", call.prefix(), call.key,
                      err)
-
-
-def _delete_keys(call: Call, *, followers: bool = True) -> None:
-    """Delete every key of every attempt of ``call`` (the caller holds the lock); with
-    ``followers`` False, not the bookkeeping keys that only a model load writes (see
-    :func:`finish`): each deletion is a request, and a warm loop's calls are short."""
-    store = call.store.store
-    topology = call.topology
-    ranks = topology.node_ranks() if call.scope == "node" else range(topology.world_size)
-    attempt = 0
-    # Attempt 0 exists: every rank that finishes claimed it first.
-    while attempt == 0 or store.check([AttemptKeys(f"{call.base}a{attempt}/").leader]):
-        keys = AttemptKeys(f"{call.base}a{attempt}/")
-        beats = int(store.add(keys.beats, 0))
-        for name in keys.written(beats=range(max(1, beats - KEEP_BEAT_KEYS), beats + 2),
-                                 ranks=ranks, followers=followers):
-            store.delete_key(name)
-        attempt += 1
-    store.delete_key(finished_key(call.base))
 
 
 def leader_first(call: Call,
