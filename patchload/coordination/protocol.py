@@ -228,7 +228,12 @@ def wait_outcome(call: Call, role: Role, *,
     cfg, store = call.config, call.store
     last_beat_at = last_progress = time.monotonic()
     start = last_beat_at if since is None else since
-    last_present = _bytes_under(call.watch)
+    # The bytes in the leader's repo folder, for the progress warning's rate: first counted
+    # when the wait blocks a second time (a walk of the folder; a warm call's wait ends at its
+    # first wake).
+    last_present: int | None = None
+    counted_at = last_progress
+    blocked = 0
     last_beat = None
     silent_s = 2 * cfg.heartbeat_s + 1.0
     while True:
@@ -268,8 +273,9 @@ def wait_outcome(call: Call, role: Role, *,
         if cfg.progress_warning_s is not None and waited > cfg.progress_warning_s \
                 and now - last_progress > cfg.progress_warning_s:
             present = _bytes_under(call.watch)
-            rate = (present - last_present) / max(1e-9, now - last_progress)
-            last_progress, last_present = now, present
+            rate = (present - (present if last_present is None else last_present)) / \
+                max(1e-9, now - counted_at)
+            last_progress, last_present, counted_at = now, present, now
             logger.warning("%s: still waiting for the leader, alive and beating (%.0f s so far; "
                            "%s); %s", call.prefix(role.leader_rank), waited,
                            "no bound on the total wait" if cfg.timeout_s is None
@@ -285,6 +291,9 @@ def wait_outcome(call: Call, role: Role, *,
         if cfg.progress_warning_s is not None:
             bound = min(bound, last_progress + cfg.progress_warning_s - now)
         bound = max(bound, 0.0) + 0.01
+        blocked += 1
+        if blocked == 2 and last_present is None:
+            last_present, counted_at = _bytes_under(call.watch), now
         token = _LEADER_WATCH.watch(call, role, seen)
         try:
             wait_beat(call, seen, bound)
