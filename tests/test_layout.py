@@ -120,6 +120,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.coordination.identity": COORDINATION,
     "patchload.coordination.key": COORDINATION,
     "patchload.coordination.keys": COORDINATION,
+    "patchload.coordination.reaper": COORDINATION,
     "patchload.coordination.load_state": COORDINATION,
     "patchload.coordination.protocol": COORDINATION,
     "patchload.coordination.rank0": COORDINATION,
