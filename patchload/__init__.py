@@ -68,17 +68,21 @@ def install(config: Config | None = None) -> None:
 
 def _patches() -> list[Patch]:
     """Every patch :func:`install` lands, now or when its module is first imported."""
-    from ._hub import hub_patches
     from ._load import load_patches
     from .coordination.call import context_patches
     from .coordination.rank0 import collective_patches
     from .patches import library_patches
-    from .patches.diffusers import diffusers_patches
+    from .patches.diffusers import diffusers_patches, pipeline_patches
+    from .patches.hub import hub_patches
+    from .patches.peft import peft_patches
+    from .patches.sentence_transformers import sentence_transformers_patches
+    from .patches.transformers.entry_points import entry_point_patches
     from .patches.transformers.materialize import convert_patches
     from .patches.transformers.remote_code import dynamic_module_patches
 
-    return (hub_patches() + dynamic_module_patches() + load_patches() + convert_patches()
-            + diffusers_patches() + context_patches() + collective_patches()
+    return (hub_patches() + entry_point_patches() + sentence_transformers_patches()
+            + pipeline_patches() + peft_patches() + dynamic_module_patches() + load_patches()
+            + convert_patches() + diffusers_patches() + context_patches() + collective_patches()
             + library_patches())
 
 

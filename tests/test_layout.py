@@ -143,8 +143,7 @@ LAYERS: Final[dict[str, int]] = {
     # weights/: load once, library-neutral
     "patchload.weights": WEIGHTS,
     "patchload.weights.writes": WEIGHTS,
-    # the root patch modules not moved yet (to patches/hub.py, patches/transformers/ and the top)
-    "patchload._hub": WEIGHTS,
+    # the root patch module not moved yet (main_process_first for user code: to the top)
     "patchload._first": WEIGHTS,
     # patches/: one module per library, and their registry
     "patchload.patches": PATCHES,
@@ -152,8 +151,13 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.patches.datasets_map": PATCHES,
     "patchload.patches.diffusers": PATCHES,
     "patchload.patches.evaluate": PATCHES,
+    "patchload.patches._wrappers": PATCHES,
+    "patchload.patches.hub": PATCHES,
     "patchload.patches.hub_api": PATCHES,
+    "patchload.patches.peft": PATCHES,
+    "patchload.patches.sentence_transformers": PATCHES,
     "patchload.patches.transformers": PATCHES,
+    "patchload.patches.transformers.entry_points": PATCHES,
     "patchload.patches.transformers.materialize": PATCHES,
     "patchload.patches.transformers.remote_code": PATCHES,
     # PreTrainedModel.from_pretrained's patches (weights/ and patches/transformers/ once split):

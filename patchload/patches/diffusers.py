@@ -13,7 +13,8 @@ the call from the cache, so diffusers itself builds the module from the config o
   reads the checkpoint itself, replacing a meta-tensor answer by the real state dict first.
 
 In a pipeline's ``from_pretrained``, ``DiffusionPipeline.download`` is coordinated as an entry point
-(:mod:`patchload._hub`): the leader makes the one snapshot download, followers read the cache.
+(:func:`pipeline_patches`, with scheduler ``from_pretrained``): the leader makes the one snapshot
+download; followers read the cache and skip ``model_info``.
 Then every rank loads the components together, each a ``ModelMixin`` or ``PreTrainedModel`` load
 whose weights come from the leader (through either transport). diffusers orders a pipeline's
 components by iterating a set of names, so each process (string hash randomization) would load
@@ -31,10 +32,20 @@ from ..coordination.call import current_mode
 from .._load import checkpoint_header, from_pretrained, receive
 from .._patching import Patch
 from .._topology import current_topology
+from ._wrappers import entry_point
 
-__all__ = ["diffusers_patches"]
+__all__ = ["diffusers_patches", "pipeline_patches"]
 
 _MODELING: Final = "diffusers.models.modeling_utils"
+
+# (module, attribute path) of diffusers' entry points that fetch files but no weights.
+_ENTRY_POINTS: Final = (
+    # model_info, model_index.json, one snapshot_download: every request of a pipeline's
+    # from_pretrained. Not from_pretrained itself: its followers would only start loading the
+    # components once the leader had loaded them all, too late to join a collective broadcast.
+    ("diffusers.pipelines.pipeline_utils", "DiffusionPipeline.download"),
+    ("diffusers.schedulers.scheduling_utils", "SchedulerMixin.from_pretrained"),
+)
 
 
 def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
@@ -89,6 +100,13 @@ def _extract_init_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[A
         return result
     init_dict, *rest = result
     return (dict(sorted(init_dict.items())), *rest)
+
+
+def pipeline_patches() -> list[Patch]:
+    """The patches of diffusers' entry points that fetch files but no weights (a pipeline's
+    download, a scheduler's ``from_pretrained``)."""
+    return [Patch(module, path, entry_point(offline_kwarg=True))
+            for module, path in _ENTRY_POINTS]
 
 
 def diffusers_patches() -> list[Patch]:
