@@ -50,7 +50,7 @@ def main() -> None:
     # Import what from_pretrained would import lazily, so the baseline holds every library.
     import transformers.models.llama.modeling_llama  # noqa: F401
     import patchload.transport.job_collective  # noqa: F401
-    import patchload._load  # noqa: F401
+    import patchload.patches.transformers.modeling  # noqa: F401
     import patchload.transport.collective  # noqa: F401
     import patchload.transport.shm  # noqa: F401
 

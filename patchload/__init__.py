@@ -68,7 +68,6 @@ def install(config: Config | None = None) -> None:
 
 def _patches() -> list[Patch]:
     """Every patch :func:`install` lands, now or when its module is first imported."""
-    from ._load import load_patches
     from .coordination.call import context_patches
     from .coordination.rank0 import collective_patches
     from .patches import library_patches
@@ -78,6 +77,7 @@ def _patches() -> list[Patch]:
     from .patches.sentence_transformers import sentence_transformers_patches
     from .patches.transformers.entry_points import entry_point_patches
     from .patches.transformers.materialize import convert_patches
+    from .patches.transformers.modeling import load_patches
     from .patches.transformers.remote_code import dynamic_module_patches
 
     return (hub_patches() + entry_point_patches() + sentence_transformers_patches()

@@ -142,6 +142,11 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.transport.tensors": TRANSPORT,
     # weights/: load once, library-neutral
     "patchload.weights": WEIGHTS,
+    "patchload.weights.hierarchy": WEIGHTS,
+    "patchload.weights.load": WEIGHTS,
+    "patchload.weights.policy": WEIGHTS,
+    "patchload.weights.receive": WEIGHTS,
+    "patchload.weights.share": WEIGHTS,
     "patchload.weights.writes": WEIGHTS,
     # the root patch module not moved yet (main_process_first for user code: to the top)
     "patchload._first": WEIGHTS,
@@ -159,10 +164,8 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.patches.transformers": PATCHES,
     "patchload.patches.transformers.entry_points": PATCHES,
     "patchload.patches.transformers.materialize": PATCHES,
+    "patchload.patches.transformers.modeling": PATCHES,
     "patchload.patches.transformers.remote_code": PATCHES,
-    # PreTrainedModel.from_pretrained's patches (weights/ and patches/transformers/ once split):
-    # they import patches.transformers.materialize; patches.diffusers reuses them
-    "patchload._load": PATCHES,
     # top: the public API and doctor
     "patchload": TOP,
     "patchload.__main__": TOP,
@@ -307,7 +310,7 @@ def test_import_graph_sees_every_kind():
     counts = Counter(kind for kinds in edges.values() for kind in kinds)
     print(f"patchload import edges by kind: {dict(sorted(counts.items()))}")
     assert "module" in edges[("patchload._state", "patchload._config")]
-    assert "deferred" in edges[("patchload", "patchload._load")]
+    assert "deferred" in edges[("patchload", "patchload.patches.transformers.modeling")]
     assert "type" in edges[("patchload.coordination.beats", "patchload.coordination.calls")]
     assert all(counts[kind] > 0 for kind in KINDS), counts
 

@@ -1,16 +1,18 @@
 """diffusers models: weights from the node's leader, through the same steps as transformers'.
 
 ``ModelMixin.from_pretrained`` and diffusers' ``AutoModel.from_pretrained`` get the wrapper of
-:mod:`patchload._load`: the leader loads and shares every parameter and buffer; a follower reruns
-the call from the cache, so diffusers itself builds the module from the config on the meta device
-(``init_empty_weights``), resolves the dtype, ``_keep_in_fp32_modules``, ``eval()`` and
+:mod:`patchload.weights.load`: the leader loads and shares every parameter and buffer; a follower
+reruns the call from the cache, so diffusers itself builds the module from the config on the meta
+device (``init_empty_weights``), resolves the dtype, ``_keep_in_fp32_modules``, ``eval()`` and
 ``register_to_config``. Two steps of it are replaced on a follower:
 
 - ``load_state_dict`` (the single-file read that gives diffusers the checkpoint's key names) is
-  answered with meta tensors from the leader's record (:func:`patchload._load.checkpoint_header`);
+  answered with meta tensors from the leader's record
+  (:func:`patchload.weights.receive.checkpoint_header`);
 - ``ModelMixin._load_pretrained_model`` assembles the leader's tensors instead of reading any file
-  (:func:`patchload._load.receive`). When they do not apply (leader gone, other tensor names) it
-  reads the checkpoint itself, replacing a meta-tensor answer by the real state dict first.
+  (:func:`patchload.weights.receive.receive`). When they do not apply (leader gone, other tensor
+  names) it reads the checkpoint itself, replacing a meta-tensor answer by the real state dict
+  first.
 
 In a pipeline's ``from_pretrained``, ``DiffusionPipeline.download`` is coordinated as an entry point
 (:func:`pipeline_patches`, with scheduler ``from_pretrained``): the leader makes the one snapshot
@@ -29,9 +31,10 @@ import sys
 from typing import Any, Callable, Final
 
 from ..coordination.call import current_mode
-from .._load import checkpoint_header, from_pretrained, receive
 from .._patching import Patch
 from .._topology import current_topology
+from ..weights.load import from_pretrained
+from ..weights.receive import checkpoint_header, receive
 from ._wrappers import entry_point
 
 __all__ = ["diffusers_patches", "pipeline_patches"]
