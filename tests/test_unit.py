@@ -690,6 +690,9 @@ def test_follower_exception_imports_only_known_packages():
     code = """
 import sys, json
 from patchload._errors import follower_exception
+from patchload._libraries import hand_down
+from patchload.patches import library_facts
+hand_down(library_facts())  # what install() does (PATCHLOAD=0 here: nothing is installed)
 out = {}
 for module, qualname in (("safetensors", "SafetensorError"), ("xml.dom.minidom", "Node"),
                          ("antigravity", "Exception")):

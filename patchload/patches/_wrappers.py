@@ -9,18 +9,17 @@ it from the cache the leader filled (:func:`patchload.coordination.call.coordina
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Final, Optional
+from typing import Any, Callable, Iterable, Optional
 
+from .._libraries import facts
+from .._patching import Patch
 from ..coordination.call import Hooks, coordinated
 
-__all__ = ["entry_point"]
+__all__ = ["entry_point", "entry_points"]
 
-# The argument names that name what an entry point loads from, for messages (in this order).
-_SOURCE_NAMES: Final = ("pretrained_model_name_or_path", "model_name_or_path", "model_id",
-                        "peft_model_id")
-
-# A library's extra follower step for one call: ``(instance, kwargs) -> settle`` (None: none),
-# given the wrapped function and the class it was called on.
+# A library's extra follower step for one call, or None: ``(wrapped, owner, instance, kwargs) ->
+# settle``, given the wrapped function, the class it was called on, its instance and arguments
+# (a follower's ``settle(result, mode)`` of :class:`patchload.coordination.call.Hooks`).
 SettleOf = Callable[[Callable[..., Any], type, Any, dict[str, Any]],
                     Optional[Callable[[Any, Any], Any]]]
 
@@ -28,7 +27,7 @@ SettleOf = Callable[[Callable[..., Any], type, Any, dict[str, Any]],
 def _source(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The repo id or path a call loads from, for messages: the first string or path argument
     (``PeftModel.from_pretrained`` takes the base model first)."""
-    for value in (*args, *(kwargs.get(name) for name in _SOURCE_NAMES)):
+    for value in (*args, *(kwargs.get(name) for name in facts().source_names)):
         if isinstance(value, (str, os.PathLike)):
             return value
     return None
@@ -54,3 +53,10 @@ def entry_point(*, offline_kwarg: bool, settle_of: SettleOf | None = None) -> Ca
                            Hooks(what, settle=settle, offline_kwarg=offline_kwarg))
 
     return wrapper
+
+
+def entry_points(targets: Iterable[tuple[str, str]], *, offline_kwarg: bool = True,
+                 settle_of: SettleOf | None = None) -> list[Patch]:
+    """A patch with an :func:`entry_point` wrapper for each ``(module, attribute path)``."""
+    return [Patch(module, path, entry_point(offline_kwarg=offline_kwarg, settle_of=settle_of))
+            for module, path in targets]

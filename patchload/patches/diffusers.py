@@ -35,7 +35,7 @@ from .._patching import Patch
 from .._topology import current_topology
 from ..weights.load import from_pretrained
 from ..weights.receive import checkpoint_header, receive
-from ._wrappers import entry_point
+from ._wrappers import entry_points
 
 __all__ = ["diffusers_patches", "pipeline_patches"]
 
@@ -108,8 +108,7 @@ def _extract_init_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[A
 def pipeline_patches() -> list[Patch]:
     """The patches of diffusers' entry points that fetch files but no weights (a pipeline's
     download, a scheduler's ``from_pretrained``)."""
-    return [Patch(module, path, entry_point(offline_kwarg=True))
-            for module, path in _ENTRY_POINTS]
+    return entry_points(_ENTRY_POINTS)
 
 
 def diffusers_patches() -> list[Patch]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Final
 
 from .._patching import Patch
-from ._wrappers import entry_point
+from ._wrappers import entry_points
 
 __all__ = ["peft_patches"]
 
@@ -31,7 +31,5 @@ _REJECTING_OFFLINE_KWARG: Final = (
 
 def peft_patches() -> list[Patch]:
     """The patches of peft's entry points, then of transformers' ``PeftAdapterMixin``."""
-    return ([Patch(module, path, entry_point(offline_kwarg=True))
-             for module, path in _ENTRY_POINTS]
-            + [Patch(module, path, entry_point(offline_kwarg=False))
-               for module, path in _REJECTING_OFFLINE_KWARG])
+    return (entry_points(_ENTRY_POINTS)
+            + entry_points(_REJECTING_OFFLINE_KWARG, offline_kwarg=False))

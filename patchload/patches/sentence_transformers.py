@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .._patching import Patch
-from ._wrappers import entry_point
+from ._wrappers import entry_points
 
 __all__ = ["sentence_transformers_patches"]
 
@@ -42,5 +42,5 @@ def _settle_of(wrapped: Callable[..., Any], owner: type, instance: Any,
 
 def sentence_transformers_patches() -> list[Patch]:
     """The patch of sentence-transformers' model constructors."""
-    return [Patch("sentence_transformers.base.model", "BaseModel.__init__",
-                  entry_point(offline_kwarg=True, settle_of=_settle_of))]
+    return entry_points([("sentence_transformers.base.model", "BaseModel.__init__")],
+                        settle_of=_settle_of)

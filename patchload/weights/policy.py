@@ -3,7 +3,8 @@
 Steps aside (downloads still coordinated, weights loaded plainly, one INFO line says why) where a
 broadcast is unsafe or pointless: ``PATCHLOAD_BROADCAST=0``, DeepSpeed ZeRO-3, a ``device_map``
 other than the CPU, quantized loads, tensor parallelism, GGUF files, a user ``state_dict``
-(transformers' and diffusers' ``from_pretrained`` keyword arguments alike). No I/O.
+(transformers' and diffusers' ``from_pretrained`` keyword arguments alike: the registry's
+:attr:`patchload._libraries.LibraryFacts.unsafe_kwargs`). No I/O.
 """
 
 from __future__ import annotations
@@ -12,19 +13,15 @@ from typing import Any, Final
 
 from .. import _state
 from .._errors import ConfigError
+from .._libraries import facts
 from ..coordination.protocol import Call
 from ..transport.registry import transports
 
 __all__ = ["chosen_transport", "step_aside_reason", "transport_of"]
 
-# from_pretrained keyword arguments under which patchload does not share weights.
-_UNSAFE_KWARGS: Final = ("quantization_config", "gguf_file", "tp_plan", "tp_size",
-                         "distributed_config", "device_mesh", "state_dict", "load_in_8bit",
-                         "load_in_4bit", "offload_folder", "key_mapping",
-                         # diffusers
-                         "parallel_config", "use_flashpack", "dduf_entries")
-# Those under which building the model runs collectives on every rank: the call cannot run on a
-# leader first (its collectives would wait for followers that wait for it).
+# from_pretrained keyword arguments under which building the model runs collectives on every
+# rank: the call cannot run on a leader first (its collectives would wait for followers that
+# wait for it).
 _COLLECTIVE_KWARGS: Final = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
 _CPU_MAPS: Final = (None, "cpu", {"": "cpu"})
 
@@ -44,7 +41,9 @@ def step_aside_reason(kwargs: dict[str, Any]) -> tuple[str | None, bool]:
             return f"{name} is set (model construction runs collectives)", True
     if not _state.config().broadcast:
         return "PATCHLOAD_BROADCAST=0", False
-    for name in _UNSAFE_KWARGS:
+    # from_pretrained keyword arguments under which patchload does not share weights: those the
+    # patch registry gives (``LibraryFacts.unsafe_kwargs``, handed down by install()).
+    for name in facts().unsafe_kwargs:
         value = kwargs.get(name)
         if value is not None and value is not False:  # diffusers passes use_flashpack=False
             return f"{name} is set", False

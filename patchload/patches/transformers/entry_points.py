@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Final
 
 from ..._patching import Patch
-from .._wrappers import entry_point
+from .._wrappers import entry_points
 
 __all__ = ["entry_point_patches"]
 
@@ -37,5 +37,4 @@ _ENTRY_POINTS: Final = (
 
 def entry_point_patches() -> list[Patch]:
     """The patches of transformers' non-model ``from_pretrained`` entry points."""
-    return [Patch(module, path, entry_point(offline_kwarg=True))
-            for module, path in _ENTRY_POINTS]
+    return entry_points(_ENTRY_POINTS)
