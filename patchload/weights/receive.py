@@ -11,7 +11,7 @@ and buffer at the leader's bytes, so the model equals a plain load bitwise.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .._compat import initialized_by_follower
 from ..coordination.call import Mode, VerificationFailed, verify_so_far
@@ -26,6 +26,18 @@ __all__ = ["abandon_weights", "announced_layout", "checkpoint_header", "receive"
            "settle_weights"]
 
 
+def _places(model: Any, entries: list[list[Any]], skip: set[str]
+            ) -> Iterator[tuple[Any, str, str, int, bool]]:
+    """``(module, attribute, kind, index, requires_grad)`` of each of the leader's entries in
+    ``model`` but those in ``skip``, each module looked up when its entry is reached."""
+    owner = Owners(model)
+    for name, kind, index, requires_grad in entries:
+        if name in skip:
+            continue
+        module, attribute = owner(name)
+        yield module, attribute, kind, index, requires_grad
+
+
 def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
               skip: set[str]) -> None:
     """Follower: put the leader's tensors into ``model`` under every name, ties included, but
@@ -33,11 +45,7 @@ def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
     import torch
 
     params: dict[int, torch.nn.Parameter] = {}
-    owner = Owners(model)
-    for name, kind, index, requires_grad in entries:
-        if name in skip:
-            continue
-        module, attribute = owner(name)
+    for module, attribute, kind, index, requires_grad in _places(model, entries, skip):
         if kind == "param":
             if index not in params:
                 # As the leader made it: an inference tensor's only inside inference_mode().
@@ -167,11 +175,7 @@ def settle_weights(result: Any, mode: Mode) -> Any:
         entries, tensors, skip = mode.load.received
         weights = mode.payload["weights"]
         marked = weights.get("marked", {})
-        owner = Owners(model)
-        for name, kind, index, _ in entries:
-            if name in skip:
-                continue
-            module, attribute = owner(name)
+        for module, attribute, kind, index, _ in _places(model, entries, skip):
             if kind == "buffer":
                 module._buffers[attribute] = tensor = tensors[index]
             else:
