@@ -754,16 +754,30 @@ def _fs_setup(ctx: SetupContext) -> None:
     ctx.hub.add_repo("rp/fs", folder)
 
 
+# User code's HfFileSystem calls on every rank, each on a fresh instance (no listing cached by
+# an earlier step): rank 0 asks, the others get its answers (patchload.patches.hub_api).
+HF_FS = Scenario(
+    "hf-fs", (
+        _fs("ls", "ls", kwargs={"detail": True}),
+        _fs("glob", "glob", "rp/fs/*.json"),
+        _fs("info", "info", "rp/fs/config.json"),
+        _fs("exists", "exists", "rp/fs/config.json"),
+        _fs("exists-missing", "exists", "rp/fs/no-such-file.json"),
+        _fs("find", "find", kwargs={"detail": True}),
+        _fs("find-dirs", "find", kwargs={"withdirs": True}),
+    ), Requests.ONE_PER_CACHE, setup=_fs_setup)
+
 # Reading a file: not coordinated (HfFileSystemFile.read streams the body, which a leader never
 # records), so every rank makes the file's requests itself, as plain (TOTAL); the bytes equal.
 HF_FS_READS = Scenario(
     "hf-fs-reads", (
         _fs("cat-file", "cat_file", "rp/fs/config.json"),
         _fs("read", "open", "rp/fs/tokenizer.json", read=True),
-    ), Requests.TOTAL, setup=_fs_setup)
+    ), Requests.TOTAL)
 
-# HfFileSystem calls that fail: every rank raises the plain class, FileNotFoundError (TOTAL, as
-# HUB_API_ERRORS).
+# HfFileSystem calls that fail: every rank raises the plain class, FileNotFoundError. A
+# listing's error is rank 0's on the ranks that follow it (a rank that comes after its attempt
+# failed makes one of its own: TOTAL, as HUB_API_ERRORS); opening a file is not coordinated.
 HF_FS_ERRORS = Scenario(
     "hf-fs-errors", (
         _fs("ls-missing-repo", "ls", "rp/no-such-repo"),
@@ -794,7 +808,7 @@ GROUPS = (
     Group("per-rank-tokens", (PER_RANK_TOKENS, TOKENS_COLD),
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
-    Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS, HF_FS_READS,
+    Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS, HF_FS, HF_FS_READS,
                      HF_FS_ERRORS), nproc=4),
     Group("two-hosts", (SRUN_SPAWN, RANK0_FIRST_HOSTS), homes="per-host", nproc=2, hosts=2,
           variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
