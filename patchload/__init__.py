@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _state
+from . import _runtime, _state
 from ._config import Config, load_config
 from ._errors import (
     ConfigError,
@@ -61,6 +61,7 @@ def install(config: Config | None = None) -> None:
 
     cfg = config or _read()
     configure(cfg.log_level)
+    _runtime.start()
     _state.set_active(True, cfg)
     install_patches(_patches())
     announce_when_hub_imported()
@@ -83,7 +84,9 @@ def _patches() -> list[Patch]:
 
 
 def uninstall() -> None:
-    """Remove every patch, restoring the original objects (identity), in reverse order.
+    """Remove every patch, restoring the original objects (identity), in reverse order, and end
+    what the install started (:meth:`patchload._runtime.Runtime.close`: open shares released once
+    their followers took them, background threads stopped, store clients closed).
 
     Raises:
         PatchConflictError: another library replaced a patched attribute after patchload.
@@ -91,7 +94,10 @@ def uninstall() -> None:
     from ._patching import uninstall_patches
 
     _state.set_active(False)
-    uninstall_patches()
+    try:
+        uninstall_patches()
+    finally:
+        _runtime.end()
 
 
 def is_installed() -> bool:

@@ -110,6 +110,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload._patching": FOUNDATION,
     "patchload._logging": FOUNDATION,
     "patchload._background": FOUNDATION,
+    "patchload._runtime": FOUNDATION,
     # coordination: ranks agree on one call through the store
     "patchload.coordination": COORDINATION,
     "patchload.coordination.beats": COORDINATION,
