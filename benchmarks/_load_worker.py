@@ -1,6 +1,10 @@
 """One rank of ``benchmarks/bench_load.py``: import, wait for "go", load, measure, report.
 
-With ``--tokenizer`` the timed load is the repo's tokenizer, then its model.
+With ``--tokenizer`` the timed load is the repo's tokenizer, then its model. With
+``--process-group`` the rank joins a gloo process group before it imports patchload's
+transports (so patchload's store is the group's), and its load ends at a ``dist.barrier()``
+after every rank's ``from_pretrained`` returned: ``ready_at`` is when that barrier returned (an
+independent benchmark's case, issue 29).
 
 Run under torchrun by the benchmark (with ``demo/site/sitecustomize.py`` injected). Protocol,
 through files in ``--sync-dir``: write ``imported-RANK`` once the libraries are imported, wait for
@@ -33,14 +37,20 @@ def main() -> None:
     parser.add_argument("--sync-dir", type=Path, required=True)
     parser.add_argument("--tokenizer", action="store_true",
                         help="load the repo's tokenizer first (timed with the model)")
+    parser.add_argument("--process-group", action="store_true",
+                        help="join a gloo process group first; a barrier ends the timed load")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     sync = args.sync_dir
+    if args.process_group:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
 
     # Import what from_pretrained would import lazily, so the baseline holds every library.
     import transformers.models.llama.modeling_llama  # noqa: F401
     import patchload.transport.job_collective  # noqa: F401
-    import patchload._load  # noqa: F401
+    import patchload.patches.transformers.modeling  # noqa: F401
     import patchload.transport.collective  # noqa: F401
     import patchload.transport.shm  # noqa: F401
 
@@ -51,6 +61,8 @@ def main() -> None:
     if args.tokenizer:
         AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    if args.process_group:
+        dist.barrier()
     ready = time.time()
     touch(sync / f"loaded-{rank}")
     wait_for([sync / f"loaded-{r}" for r in range(world)])
@@ -75,6 +87,8 @@ def main() -> None:
         "loaded_bytes": loaded_bytes, "weights_sha256": digest.hexdigest()}), flush=True)
     touch(sync / f"done-{rank}")
     wait_for([sync / f"done-{r}" for r in range(world)])
+    if args.process_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

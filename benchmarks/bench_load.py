@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/bench_load.py                  # quick: ~250 MB fp32 model
     .venv/bin/python benchmarks/bench_load.py --size-mb 1000   # the ~1 GB (fp32) model
     .venv/bin/python benchmarks/bench_load.py --tiny           # ~8 MB + tokenizer, N=3, cold
+    .venv/bin/python benchmarks/bench_load.py --size-mb 1080 --cases a --process-group --runs 5
+                                    # issue 29's zero-copy case: process group first, barrier after
 
 For N ranks in ``--nproc`` (2 and 4) and three cases, (a) fp32 checkpoint loaded as fp32, (b) bf16
 checkpoint loaded as fp32, (c) fp32 checkpoint loaded as bf16, runs ``benchmarks/_load_worker.py``
@@ -16,7 +18,8 @@ instead loads a tiny bf16 Llama's tokenizer and then the model, 3 ranks, each ru
 Columns (one markdown table):
 
 * ready: seconds from releasing the ranks (all imported, waiting on a file barrier) until the last
-  rank's ``from_pretrained`` returned; (ratio) patched / plain.
+  rank's ``from_pretrained`` returned (with ``--process-group``: until the ``dist.barrier()``
+  after it returned on every rank); (ratio) patched / plain.
 * peak mem: peak of node memory in use (``MemTotal - MemAvailable``, sampled every 50 ms) during
   the load, minus its value at the release, divided by the loaded model's bytes. Clean page-cache
   pages (a zero-copy mapping of the checkpoint file) are reclaimable and do not count here.
@@ -81,7 +84,8 @@ def warm(repo_ids: list[str], endpoint: str, hf_home: Path) -> None:
 
 def one(label: str, repo_id: str, dtype: str, nproc: int, extra_env: dict[str, str], *,
         hub: Any, hf_home: Path, work: Path, sampler: measure.MemorySampler,
-        timeout_s: float, tokenizer: bool = False) -> dict[str, Any]:
+        timeout_s: float, tokenizer: bool = False, process_group: bool = False
+        ) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     sync = work / "sync"
     sync.mkdir(parents=True)
@@ -92,7 +96,8 @@ def one(label: str, repo_id: str, dtype: str, nproc: int, extra_env: dict[str, s
     release = measure.release_when_imported(sync, nproc, hub, marks)
     run = measure.torchrun(label, WORKER, ["--model", repo_id, "--dtype", dtype,
                                            "--sync-dir", str(sync)]
-                           + (["--tokenizer"] if tokenizer else []),
+                           + (["--tokenizer"] if tokenizer else [])
+                           + (["--process-group"] if process_group else []),
                            nproc=nproc, env=env, measure_dir=work / "measure",
                            timeout_s=timeout_s, during=release)
     results = measure.results(run)
@@ -163,6 +168,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per row (medians shown)")
     parser.add_argument("--tiny", action="store_true",
                         help="instead: a ~8 MB bf16 Llama plus its tokenizer, 3 ranks, cold cache")
+    parser.add_argument("--process-group", action="store_true",
+                        help="each rank joins a gloo process group before the load (patchload's "
+                        "store is then the group's) and a barrier ends the timed load")
     parser.add_argument("--out", type=Path, default=measure.REPO_ROOT / "demo-out")
     parser.add_argument("--timeout", type=float, default=600, help="per run, in seconds")
     args = parser.parse_args()
@@ -202,7 +210,7 @@ def main() -> int:
                         shutil.rmtree(hf_home, ignore_errors=True)
                     r = one(label, repo_id, load, nproc, MODES[mode], hub=hub, hf_home=hf_home,
                             work=bench / "run", sampler=sampler, timeout_s=args.timeout,
-                            tokenizer=args.tiny)
+                            tokenizer=args.tiny, process_group=args.process_group)
                     runs[mode].append(r)
                     time.sleep(0.5)
                     if r["ok"]:

@@ -86,19 +86,14 @@ def _land() -> None:
 
 
 def _patches() -> list[Patch]:
-    """Every patch :func:`install` lands, now or when its module is first imported."""
-    from ._hub import hub_patches
-    from ._load import load_patches
-    from .coordination.call import context_patches
-    from .coordination.rank0 import collective_patches
-    from .patches import library_patches
-    from .patches.diffusers import diffusers_patches
-    from .patches.transformers.materialize import convert_patches
-    from .patches.transformers.remote_code import dynamic_module_patches
+    """Every patch :func:`install` lands, now or when its module is first imported
+    (:func:`patchload.patches.all_patches`). First hands the patch registry's facts down to the
+    layers below it, which may not import it (:mod:`patchload._libraries`)."""
+    from ._libraries import hand_down
+    from .patches import all_patches, library_facts
 
-    return (hub_patches() + dynamic_module_patches() + load_patches() + convert_patches()
-            + diffusers_patches() + context_patches() + collective_patches()
-            + library_patches())
+    hand_down(library_facts())
+    return all_patches()
 
 
 def uninstall() -> None:

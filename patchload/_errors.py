@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from typing import Any, Final
+
+from ._libraries import facts
 
 from . import _runtime
 
@@ -194,19 +196,20 @@ class _Response:
         return f"<Response [{self.status_code}] from the leader>"
 
 
-# Packages whose exceptions the patched calls raise. A follower that has not run the call yet may
-# not have imported the module of the leader's exception class (safetensors is imported only
-# when transformers.modeling_utils is); the plain call would import it, so it may be imported here.
-_IMPORTABLE_PACKAGES = frozenset({"huggingface_hub", "transformers", "safetensors", "tokenizers",
-                                  "torch", "sentence_transformers", "httpx", "requests",
-                                  "urllib3", "patchload", "datasets"})
+# Packages whose exceptions the patched calls raise: patchload's own, and those the patch
+# registry names (``LibraryFacts.importable``, handed down by install()). A follower that has not
+# run the call yet may not have imported the module of the leader's exception class (safetensors
+# is imported only when transformers.modeling_utils is); the plain call would import it, so it
+# may be imported here.
+_OWN_PACKAGE: Final = "patchload"
 
 
 def _resolve_class(module: str, qualname: str) -> type[BaseException] | None:
     # Only classes of modules this process already imported, or of the packages above: nothing
     # named by the store outside them is imported, and nothing from the store is executed.
     obj: Any = sys.modules.get(module)
-    if obj is None and module.partition(".")[0] in _IMPORTABLE_PACKAGES:
+    package = module.partition(".")[0]
+    if obj is None and (package == _OWN_PACKAGE or package in facts().importable):
         try:
             obj = importlib.import_module(module)
         except Exception:  # noqa: BLE001 - not importable here: LeaderFailedError instead

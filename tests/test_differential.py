@@ -741,6 +741,50 @@ HUB_API_ERRORS = Scenario(
         _api("dataset-info-missing", "dataset_info", repo="rp/no-such-dataset"),
     ), Requests.TOTAL)
 
+
+def _fs(name: str, method: str, path: str = "rp/fs", **step: Any) -> dict[str, Any]:
+    return {"name": name, "op": "hf_fs", "method": method, "path": path, **step}
+
+
+def _fs_setup(ctx: SetupContext) -> None:
+    """rp/fs: a tiny llama with a tokenizer and a file in a folder (``find`` lists it)."""
+    folder = _models().tiny_llama(ctx.assets / "rp--fs", seed=47)
+    (folder / "extra").mkdir()
+    (folder / "extra" / "notes.txt").write_text("a file one folder down\n")
+    ctx.hub.add_repo("rp/fs", folder)
+
+
+# User code's HfFileSystem calls on every rank, each on a fresh instance (no listing cached by
+# an earlier step): rank 0 asks, the others get its answers (patchload.patches.hub_api).
+HF_FS = Scenario(
+    "hf-fs", (
+        _fs("ls", "ls", kwargs={"detail": True}),
+        _fs("glob", "glob", "rp/fs/*.json"),
+        _fs("info", "info", "rp/fs/config.json"),
+        _fs("exists", "exists", "rp/fs/config.json"),
+        _fs("exists-missing", "exists", "rp/fs/no-such-file.json"),
+        _fs("find", "find", kwargs={"detail": True}),
+        _fs("find-dirs", "find", kwargs={"withdirs": True}),
+    ), Requests.ONE_PER_CACHE, setup=_fs_setup)
+
+# Reading a file: not coordinated (HfFileSystemFile.read streams the body, which a leader never
+# records), so every rank makes the file's requests itself, as plain (TOTAL); the bytes equal.
+HF_FS_READS = Scenario(
+    "hf-fs-reads", (
+        _fs("cat-file", "cat_file", "rp/fs/config.json"),
+        _fs("read", "open", "rp/fs/tokenizer.json", read=True),
+    ), Requests.TOTAL)
+
+# HfFileSystem calls that fail: every rank raises the plain class, FileNotFoundError. A
+# listing's error is rank 0's on the ranks that follow it (a rank that comes after its attempt
+# failed makes one of its own: TOTAL, as HUB_API_ERRORS); opening a file is not coordinated.
+HF_FS_ERRORS = Scenario(
+    "hf-fs-errors", (
+        _fs("ls-missing-repo", "ls", "rp/no-such-repo"),
+        _fs("info-missing-file", "info", "rp/fs/no-such-file.json"),
+        _fs("read-missing-file", "open", "rp/fs/no-such-file.json", read=True),
+    ), Requests.TOTAL)
+
 # --- under contention (issue 31) ------------------------------------------------------------------
 # The same kinds of job as ``cold`` and ``saved`` (own repos), in a shared cache, while every core
 # is kept busy (``Group.busy_cores``): a follower's waits and the leader's heartbeats run late,
@@ -764,7 +808,8 @@ GROUPS = (
     Group("per-rank-tokens", (PER_RANK_TOKENS, TOKENS_COLD),
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
-    Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS), nproc=4),
+    Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS, HF_FS, HF_FS_READS,
+                     HF_FS_ERRORS), nproc=4),
     Group("two-hosts", (SRUN_SPAWN, RANK0_FIRST_HOSTS), homes="per-host", nproc=2, hosts=2,
           variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("two-nodes", (RANK0_FIRST_SHARED,), homes="shared", nproc=2, nodes=2,

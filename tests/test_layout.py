@@ -112,6 +112,8 @@ LAYERS: Final[dict[str, int]] = {
     "patchload._background": FOUNDATION,
     "patchload._runtime": FOUNDATION,
     "patchload._landing": FOUNDATION,
+    # the patch registry's facts, handed down by install()
+    "patchload._libraries": FOUNDATION,
     # coordination: ranks agree on one call through the store
     "patchload.coordination": COORDINATION,
     "patchload.coordination.beats": COORDINATION,
@@ -122,6 +124,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.coordination.identity": COORDINATION,
     "patchload.coordination.key": COORDINATION,
     "patchload.coordination.keys": COORDINATION,
+    "patchload.coordination.reaper": COORDINATION,
     "patchload.coordination.load_state": COORDINATION,
     "patchload.coordination.protocol": COORDINATION,
     "patchload.coordination.rank0": COORDINATION,
@@ -143,9 +146,13 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.transport.tensors": TRANSPORT,
     # weights/: load once, library-neutral
     "patchload.weights": WEIGHTS,
+    "patchload.weights.hierarchy": WEIGHTS,
+    "patchload.weights.load": WEIGHTS,
+    "patchload.weights.policy": WEIGHTS,
+    "patchload.weights.receive": WEIGHTS,
+    "patchload.weights.share": WEIGHTS,
     "patchload.weights.writes": WEIGHTS,
-    # the root patch modules not moved yet (to patches/hub.py, patches/transformers/ and the top)
-    "patchload._hub": WEIGHTS,
+    # the root patch module not moved yet (main_process_first for user code: to the top)
     "patchload._first": WEIGHTS,
     # patches/: one module per library, and their registry
     "patchload.patches": PATCHES,
@@ -153,13 +160,16 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.patches.datasets_map": PATCHES,
     "patchload.patches.diffusers": PATCHES,
     "patchload.patches.evaluate": PATCHES,
+    "patchload.patches._wrappers": PATCHES,
+    "patchload.patches.hub": PATCHES,
     "patchload.patches.hub_api": PATCHES,
+    "patchload.patches.peft": PATCHES,
+    "patchload.patches.sentence_transformers": PATCHES,
     "patchload.patches.transformers": PATCHES,
+    "patchload.patches.transformers.entry_points": PATCHES,
     "patchload.patches.transformers.materialize": PATCHES,
+    "patchload.patches.transformers.modeling": PATCHES,
     "patchload.patches.transformers.remote_code": PATCHES,
-    # PreTrainedModel.from_pretrained's patches (weights/ and patches/transformers/ once split):
-    # they import patches.transformers.materialize; patches.diffusers reuses them
-    "patchload._load": PATCHES,
     # top: the public API and doctor
     "patchload": TOP,
     "patchload.__main__": TOP,
@@ -304,7 +314,7 @@ def test_import_graph_sees_every_kind():
     counts = Counter(kind for kinds in edges.values() for kind in kinds)
     print(f"patchload import edges by kind: {dict(sorted(counts.items()))}")
     assert "module" in edges[("patchload._state", "patchload._config")]
-    assert "deferred" in edges[("patchload", "patchload._load")]
+    assert "deferred" in edges[("patchload", "patchload.patches")]
     assert "type" in edges[("patchload.coordination.beats", "patchload.coordination.calls")]
     assert all(counts[kind] > 0 for kind in KINDS), counts
 

@@ -84,9 +84,10 @@ def test_waiting_followers_and_a_thousand_calls_leave_the_store_as_it_was(
     before, after = row["before"], row["after"]
     assert (after["keys"], after["threads"]) == (before["keys"], before["threads"]), row
     # Each store keeps the clients of waits made at once (JobStore.wait_for's clones) for the
-    # next ones: a few more fds once the ranks' waits first overlapped, then no more (the same 3
-    # after 300 and after 2,000 calls), at most one per simulated rank.
-    assert 0 <= after["fds"] - before["fds"] <= row["ranks"], row
+    # next ones, which the key reaper borrows too (JobStore.spare_client): a few more fds once a
+    # rank's waits and deletions first overlapped, then no more (3 after 300 and after 2,000
+    # calls before the reaper; 5-6 with it), at most two per simulated rank.
+    assert 0 <= after["fds"] - before["fds"] <= 2 * row["ranks"], row
 
 
 _SHARES_AT_EXIT = """

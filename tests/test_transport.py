@@ -819,7 +819,7 @@ def test_leader_whose_share_fails_holds_no_writable_shared_mapping(monkeypatch):
     try:
         transport.share(FakeCall(), model, entries, unique, state)  # type: ignore[arg-type]
     except OSError:
-        transport.discard(model, state)  # what _load._share does
+        transport.discard(model, state)  # what weights/share.py's share_weights does
     else:
         raise AssertionError("share did not fail")
     assert not any(arena.owns(t) for t in model.parameters())

@@ -448,6 +448,61 @@ def test_patchload_timeout_bounds_all_of_a_followers_waits_and_a_swallowed_one_s
 
 
 @pytest.mark.timeout(60)
+def test_the_keys_of_a_small_call_are_deleted_off_the_callers_thread():
+    """The last rank to finish a call that loads no model (a config, a warm download) leaves
+    the deletion of its keys (about nine requests) to the key reaper's thread and client: in a
+    warm loop the rank that finished last no longer pays them before its next call. The keys
+    still go, soon after."""
+    import dataclasses
+    import threading
+    import time
+
+    from patchload.coordination import protocol
+
+    server, call_of = _two_rank_calls("reaped-" + str(time.monotonic()))
+    deleted_by: list[str] = []
+
+    class Recording:  # the ranks' shared client; the reaper's clone() is not recorded
+        def __init__(self, real):
+            self._real = real
+
+        def __getattr__(self, name):
+            attr = getattr(self._real, name)
+            if name != "delete_key":
+                return attr
+
+            def delete_key(key):
+                deleted_by.append(threading.current_thread().name)
+                return attr(key)
+            return delete_key
+
+    calls = [call_of(r) for r in range(2)]
+    for call in calls:
+        call.store.store = Recording(call.store.store)
+    observer = call_of(0).store.store
+    before = observer.num_keys()
+
+    def one_call(i: int) -> None:
+        mine = [dataclasses.replace(c, key=f"{c.key}{i}/") for c in calls]
+        threads = [threading.Thread(target=protocol.leader_first, name=f"rank{r}", args=(
+            mine[r], lambda c: (i, {"i": i}, None), lambda c, role, leader: leader.payload()))
+            for r in (1, 0)]
+        threads[0].start()
+        time.sleep(0.01)  # rank 1 follows: rank 0 leads (no claim grace between threads)
+        threads[1].start()
+        for t in threads:
+            t.join(20)
+
+    for i in range(5):
+        one_call(i)
+    assert deleted_by == [], deleted_by  # neither rank's thread deleted a key
+    deadline = time.monotonic() + 10
+    while observer.num_keys() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert observer.num_keys() == before
+
+
+@pytest.mark.timeout(60)
 def test_a_heartbeat_under_way_when_the_call_ends_leaves_no_key(monkeypatch):
     """The heartbeat thread beats a led call at once; one still under way when the call ended
     and its last rank deleted its keys recreated two of them (the counter and its beat key), so
@@ -635,6 +690,9 @@ def test_follower_exception_imports_only_known_packages():
     code = """
 import sys, json
 from patchload._errors import follower_exception
+from patchload._libraries import hand_down
+from patchload.patches import library_facts
+hand_down(library_facts())  # what install() does (PATCHLOAD=0 here: nothing is installed)
 out = {}
 for module, qualname in (("safetensors", "SafetensorError"), ("xml.dom.minidom", "Node"),
                          ("antigravity", "Exception")):

@@ -30,6 +30,8 @@ import os
 import re
 from typing import Any, Callable, Final
 
+from .._libraries import facts
+
 __all__ = ["DOWNLOAD_DIRS", "Unrenderable", "credentials_digest", "deciding_arguments", "digest",
            "process_state"]
 
@@ -45,9 +47,10 @@ _VOLATILE: Final = frozenset({
 })
 # Credentials: identity by hash only (two users' tokens may see two different repos).
 _SECRETS: Final = frozenset({"token", "use_auth_token"})
-# What a call loads from: a repo id, or a local path (then rendered as ``path:<real path>``).
-SOURCES: Final = frozenset({"pretrained_model_name_or_path", "model_name_or_path", "model_id",
-                            "peft_model_id", "arg0"})
+# What a call loads from: a repo id, or a local path (then rendered as ``path:<real path>``): the
+# argument names the patch registry gives (``LibraryFacts.source_names``, handed down by install()),
+# and the name of the first positional argument of a call whose signature does not bind.
+_UNBOUND_SOURCE: Final = "arg0"
 # Folders a call writes into: whether they exist yet says nothing about the result.
 _OUTPUTS: Final = frozenset({"cache_dir", "cache_folder", "local_dir", "offload_folder"})
 # Folders a call downloads into whose real path is part of its identity (``cache_dir`` is the
@@ -180,11 +183,12 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
                 named.update(named.pop(name))
     except (TypeError, ValueError):  # no signature, or arguments that do not bind
         named = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
+    sources = {*facts().source_names, _UNBOUND_SOURCE}
     rendered = {}
     # The source: the first positional argument (transformers 5's Auto classes take
     # ``*model_args``) or a source parameter given by name.
     candidates = [args[0]] if args else []
-    candidates += [value for name, value in named.items() if name in SOURCES]
+    candidates += [value for name, value in named.items() if name in sources]
     for value in candidates:
         if (source := _local_path(value)) is not None:
             rendered["__source__"] = source
@@ -192,7 +196,7 @@ def deciding_arguments(wrapped: Callable[..., Any], args: tuple[Any, ...],
     for name, value in named.items():
         if name in _VOLATILE:
             continue
-        if name not in SOURCES and name not in _OUTPUTS and (path := _local_path(value)):
+        if name not in sources and name not in _OUTPUTS and (path := _local_path(value)):
             rendered[f"__path__{name}"] = path  # the same string names another file elsewhere
         if name in DOWNLOAD_DIRS and (folder := _folder(value)):
             rendered[f"__dir__{name}"] = folder

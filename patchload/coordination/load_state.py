@@ -1,8 +1,9 @@
 """A model load's state on one rank for one coordinated call, shared by the wrappers nested in it.
 
 ``from_pretrained`` of a model is one coordinated call (:mod:`.call`); inside it transformers
-calls the functions that :mod:`patchload._load`,
-:mod:`patchload.patches.transformers.materialize` and :mod:`patchload.patches.diffusers` wrap,
+calls the functions that :mod:`patchload.patches.transformers.modeling`,
+:mod:`patchload.patches.transformers.materialize` and :mod:`patchload.patches.diffusers` wrap
+(with the steps of :mod:`patchload.weights`),
 and the transport (:mod:`patchload.transport`) is handed the same object. Each of them finds
 here what an earlier one decided or recorded for this call: a field per fact, so that a reader
 can find every writer of one with grep. No I/O.
@@ -48,7 +49,7 @@ class LoadState:
             (:func:`patchload.transport.mapped_files.describe`), or None (none, or job scope).
         described: ``loading_info``, ``conversions`` and ``dtype_plan`` are set: the call's
             first load finished on the leader, or a node leader got them from the reading
-            leader (:class:`patchload._load.NodeLeadersLoad`).
+            leader (:class:`patchload.weights.hierarchy.NodeLeadersLoad`).
         loading_info: transformers' loading info of the leader's load (missing, unexpected,
             mismatched keys), as :func:`patchload._compat.describe_loading_info` gives it.
         conversions: the indices of the key conversions the leader's load applied

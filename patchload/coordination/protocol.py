@@ -38,11 +38,12 @@ from .._errors import (
 from .._logging import get_logger
 from .._topology import Topology
 from . import rank0 as _rank0
-from .beats import KEEP_BEAT_KEYS, Heartbeat, LeaderWatch, beat, read_beat, wait_beat
+from .beats import Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
 from .calls import Call, Role
 from .key import credentials_digest, digest
-from .keys import AttemptKeys, finished_key
+from .keys import finished_key
+from .reaper import KeyReaper, delete_keys
 from .store import job_store
 
 __all__ = ["Call", "LeaderView", "Role", "announcement", "call_key", "claim", "files_ready",
@@ -57,7 +58,8 @@ T = TypeVar("T")
 class _Calls:
     """The runtime's call counters (one per call base: the n-th call of the same thing on every
     rank is one call) and the threads that serve its calls: the heartbeat of the calls it
-    leads and the watch over the leaders its followers wait on."""
+    leads, the watch over the leaders its followers wait on, and the reaper of finished calls'
+    keys."""
 
     CLOSE_PHASE: Final = _runtime.STOP_THREADS
 
@@ -66,11 +68,15 @@ class _Calls:
         self.lock = threading.Lock()
         self.heartbeat = Heartbeat()
         self.leader_watch = LeaderWatch()
+        self.reaper = KeyReaper()
 
     def close(self) -> None:
-        """Stop the heartbeat and the leader watch (each joined, at most ``JOIN_AT_EXIT_S``)."""
+        """Stop the heartbeat, the leader watch and the key reaper (each joined, at most
+        ``JOIN_AT_EXIT_S``). At uninstall the reaper first deletes what is still pending: a
+        next install counts its calls from 1 again, so it would meet those keys."""
         self.heartbeat.stop()
         self.leader_watch.stop()
+        self.reaper.stop(drain=not _runtime.current().exiting)
 
 
 def _calls() -> _Calls:
@@ -243,7 +249,12 @@ def wait_outcome(call: Call, role: Role, *,
     cfg, store = call.config, call.store
     last_beat_at = last_progress = time.monotonic()
     start = last_beat_at if since is None else since
-    last_present = _bytes_under(call.watch)
+    # The bytes in the leader's repo folder, for the progress warning's rate: first counted
+    # when the wait blocks a second time (a walk of the folder; a warm call's wait ends at its
+    # first wake).
+    last_present: int | None = None
+    counted_at = last_progress
+    blocked = 0
     last_beat = None
     silent_s = 2 * cfg.heartbeat_s + 1.0
     while True:
@@ -283,8 +294,9 @@ def wait_outcome(call: Call, role: Role, *,
         if cfg.progress_warning_s is not None and waited > cfg.progress_warning_s \
                 and now - last_progress > cfg.progress_warning_s:
             present = _bytes_under(call.watch)
-            rate = (present - last_present) / max(1e-9, now - last_progress)
-            last_progress, last_present = now, present
+            rate = (present - (present if last_present is None else last_present)) / \
+                max(1e-9, now - counted_at)
+            last_progress, last_present, counted_at = now, present, now
             logger.warning("%s: still waiting for the leader, alive and beating (%.0f s so far; "
                            "%s); %s", call.prefix(role.leader_rank), waited,
                            "no bound on the total wait" if cfg.timeout_s is None
@@ -300,6 +312,9 @@ def wait_outcome(call: Call, role: Role, *,
         if cfg.progress_warning_s is not None:
             bound = min(bound, last_progress + cfg.progress_warning_s - now)
         bound = max(bound, 0.0) + 0.01
+        blocked += 1
+        if blocked == 2 and last_present is None:
+            last_present, counted_at = _bytes_under(call.watch), now
         token = _calls().leader_watch.watch(call, role, seen)
         try:
             wait_beat(call, seen, bound)
@@ -534,7 +549,9 @@ def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
 def finish(call: Call, *, followers: bool = True) -> None:
     """This rank is done with ``call`` (with every attempt of it): count it out. The last rank
     of the call's scope to do so deletes the call's keys, so that the store stays bounded over a
-    job's calls. Not collective; never waits; never raises (a store failure only leaves keys).
+    job's calls (a call that loads no model has them deleted on the key reaper's thread:
+    :mod:`.reaper`). Not collective; never waits; never raises (a store failure only leaves
+    keys).
 
     Keys of a call that some rank of its scope never makes stay until the job's store goes:
     torchrun's agent store ends with the job, and the last process out removes a node-local one.
@@ -546,30 +563,18 @@ def finish(call: Call, *, followers: bool = True) -> None:
     store = call.store
     try:
         with store.lock:
-            if store.store.add(finished_key(call.base), 1) >= call.scope_size():
-                _delete_keys(call, followers=followers)
+            if store.store.add(finished_key(call.base), 1) < call.scope_size():
+                return
+            if followers:  # a model load: seconds long, its deletions are not felt
+                delete_keys(store.store, call)
+                return
+        # A small call (a config, a warm download: a few ms) leaves them to the reaper's
+        # thread: the rank that finished last does not pay about nine requests before its
+        # next call.
+        _calls().reaper.add(call, followers=False)
     except Exception as err:  # noqa: BLE001 - cleanup only
         logger.debug("%s: deleting the store keys of %s failed: %s", call.prefix(), call.key,
                      err)
-
-
-def _delete_keys(call: Call, *, followers: bool = True) -> None:
-    """Delete every key of every attempt of ``call`` (the caller holds the lock); with
-    ``followers`` False, not the bookkeeping keys that only a model load writes (see
-    :func:`finish`): each deletion is a request, and a warm loop's calls are short."""
-    store = call.store.store
-    topology = call.topology
-    ranks = topology.node_ranks() if call.scope == "node" else range(topology.world_size)
-    attempt = 0
-    # Attempt 0 exists: every rank that finishes claimed it first.
-    while attempt == 0 or store.check([AttemptKeys(f"{call.base}a{attempt}/").leader]):
-        keys = AttemptKeys(f"{call.base}a{attempt}/")
-        beats = int(store.add(keys.beats, 0))
-        for name in keys.written(beats=range(max(1, beats - KEEP_BEAT_KEYS), beats + 2),
-                                 ranks=ranks, followers=followers):
-            store.delete_key(name)
-        attempt += 1
-    store.delete_key(finished_key(call.base))
 
 
 def leader_first(call: Call,

@@ -147,10 +147,7 @@ class JobStore:
         """:meth:`wait_for` on the calling thread (blocks signal handlers while it waits)."""
         from datetime import timedelta
 
-        with self._guard:
-            client = self._idle.pop() if self._idle else None
-        if client is None:
-            client = self.store.clone()
+        client = self._idle_client()
         start = time.monotonic()
         try:
             client.wait([key], timedelta(seconds=max(0.001, timeout_s)))
@@ -178,6 +175,27 @@ class JobStore:
             if self._heartbeat is None:
                 self._heartbeat = self.store.clone()
             return self._heartbeat
+
+    @contextlib.contextmanager
+    def spare_client(self) -> Iterator[Store]:
+        """A client of the store for the caller's thread alone while the block runs: an idle
+        one of :meth:`wait_for`'s (a ``clone()`` of ``store``, made if none is idle), given
+        back after the block, so that it adds no connection to the store in the steady state.
+        Not under ``lock``: for requests that must not queue other threads' behind them (the
+        key reaper's deletions, :class:`.reaper.KeyReaper`). Not collective.
+
+        Raises:
+            RuntimeError: the store was closed, or cannot be reached.
+        """
+        client = self._idle_client()
+        yield client  # a request that raised leaves the client out, as a failed wait does
+        with self._guard:
+            self._idle.append(client)
+
+    def _idle_client(self) -> Store:
+        with self._guard:
+            client = self._idle.pop() if self._idle else None
+        return client if client is not None else self.store.clone()
 
     def close(self) -> None:
         """Destroy this process's clients of the store (uninstall, exit); any later use raises

@@ -1,19 +1,22 @@
 """diffusers models: weights from the node's leader, through the same steps as transformers'.
 
 ``ModelMixin.from_pretrained`` and diffusers' ``AutoModel.from_pretrained`` get the wrapper of
-:mod:`patchload._load`: the leader loads and shares every parameter and buffer; a follower reruns
-the call from the cache, so diffusers itself builds the module from the config on the meta device
-(``init_empty_weights``), resolves the dtype, ``_keep_in_fp32_modules``, ``eval()`` and
+:mod:`patchload.weights.load`: the leader loads and shares every parameter and buffer; a follower
+reruns the call from the cache, so diffusers itself builds the module from the config on the meta
+device (``init_empty_weights``), resolves the dtype, ``_keep_in_fp32_modules``, ``eval()`` and
 ``register_to_config``. Two steps of it are replaced on a follower:
 
 - ``load_state_dict`` (the single-file read that gives diffusers the checkpoint's key names) is
-  answered with meta tensors from the leader's record (:func:`patchload._load.checkpoint_header`);
+  answered with meta tensors from the leader's record
+  (:func:`patchload.weights.receive.checkpoint_header`);
 - ``ModelMixin._load_pretrained_model`` assembles the leader's tensors instead of reading any file
-  (:func:`patchload._load.receive`). When they do not apply (leader gone, other tensor names) it
-  reads the checkpoint itself, replacing a meta-tensor answer by the real state dict first.
+  (:func:`patchload.weights.receive.receive`). When they do not apply (leader gone, other tensor
+  names) it reads the checkpoint itself, replacing a meta-tensor answer by the real state dict
+  first.
 
 In a pipeline's ``from_pretrained``, ``DiffusionPipeline.download`` is coordinated as an entry point
-(:mod:`patchload._hub`): the leader makes the one snapshot download, followers read the cache.
+(:func:`pipeline_patches`, with scheduler ``from_pretrained``): the leader makes the one snapshot
+download; followers read the cache and skip ``model_info``.
 Then every rank loads the components together, each a ``ModelMixin`` or ``PreTrainedModel`` load
 whose weights come from the leader (through either transport). diffusers orders a pipeline's
 components by iterating a set of names, so each process (string hash randomization) would load
@@ -28,13 +31,24 @@ import sys
 from typing import Any, Callable, Final
 
 from ..coordination.call import current_mode
-from .._load import checkpoint_header, from_pretrained, receive
 from .._patching import Patch
 from .._topology import current_topology
+from ..weights.load import from_pretrained
+from ..weights.receive import checkpoint_header, receive
+from ._wrappers import entry_points
 
-__all__ = ["diffusers_patches"]
+__all__ = ["diffusers_patches", "pipeline_patches"]
 
 _MODELING: Final = "diffusers.models.modeling_utils"
+
+# (module, attribute path) of diffusers' entry points that fetch files but no weights.
+_ENTRY_POINTS: Final = (
+    # model_info, model_index.json, one snapshot_download: every request of a pipeline's
+    # from_pretrained. Not from_pretrained itself: its followers would only start loading the
+    # components once the leader had loaded them all, too late to join a collective broadcast.
+    ("diffusers.pipelines.pipeline_utils", "DiffusionPipeline.download"),
+    ("diffusers.schedulers.scheduling_utils", "SchedulerMixin.from_pretrained"),
+)
 
 
 def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
@@ -89,6 +103,12 @@ def _extract_init_dict(wrapped: Callable[..., Any], instance: Any, args: tuple[A
         return result
     init_dict, *rest = result
     return (dict(sorted(init_dict.items())), *rest)
+
+
+def pipeline_patches() -> list[Patch]:
+    """The patches of diffusers' entry points that fetch files but no weights (a pipeline's
+    download, a scheduler's ``from_pretrained``)."""
+    return entry_points(_ENTRY_POINTS)
 
 
 def diffusers_patches() -> list[Patch]:

@@ -12,17 +12,29 @@ Patched on ``HfApi`` and on ``huggingface_hub``'s module-level functions (bound 
 sequence of its own (:func:`patchload.coordination.rank0.place`), so a listing that rank 0 makes
 alone never changes who leads the loads.
 
+User code's ``HfFileSystem`` listings are coordinated the same way, one call per method the user
+calls (:data:`FS_METHODS`: ``ls``, ``info``, ``exists``, ``glob``, ``find``): the ``HfApi``
+calls the file system makes inside (``repo_info``, ``list_repo_tree``, ``get_paths_info``) are
+part of that call's record. Each rank's instance keeps its own caches (``dircache``, the repos it
+found): a follower's rerun asks only what its own caches lack, and a request its leader never
+made (its leader's caches answered it) goes to the hub, as plain. Reading a file
+(``open(...).read()``, ``cat_file``) is not coordinated: ``HfFileSystemFile.read`` streams the
+file's body, which is never recorded, so every rank makes the file's requests itself.
+
 Made as plain, by every rank:
 
 - inside a coordinated call (the ``model_info`` of a ``from_pretrained``): that call's record
   answers it already;
-- called by huggingface_hub itself (``HfFileSystem``'s listings, ``repo_info``'s ``model_info``):
-  the calls a client makes from its caches differ from rank to rank, and a rank would wait for
-  a call rank 0 never makes;
+- called by huggingface_hub itself (``HfFileSystem``'s listings, ``repo_info``'s
+  ``model_info``) or, for ``HfFileSystem``'s methods, by fsspec or datasets (``walk``'s ``ls``,
+  ``data_files``' ``glob``): the calls a client makes from its caches differ from rank to rank,
+  and a rank would wait for a call rank 0 never makes;
 - with huggingface_hub 0.x, whose ``requests`` exchanges cannot be replayed;
 - on an ``HfApi`` built with an endpoint other than ``HF_ENDPOINT`` or with headers of its own
   (what they send is not part of the call's key). An ``HfApi(token=...)``'s token is passed as
-  the call's ``token=`` (what its methods use for ``token=None``), so the key holds its digest.
+  the call's ``token=`` (what its methods use for ``token=None``), so the key holds its digest;
+- on an ``HfFileSystem`` built with a token or an endpoint of its own (its methods take no
+  ``token=`` to carry it into the key).
 
 ``list_repo_tree`` (and ``list_repo_files``' listing) returns a lazy iterator: inside the call it
 is read to the end, every page fetched at once; the caller gets a generator of the same items
@@ -43,12 +55,21 @@ from typing import Any, Callable, Final, Iterator
 from .._patching import Patch
 from ..coordination.call import Hooks, coordinated, coordinates_here, current_mode
 
-__all__ = ["METHODS", "hub_api_patches"]
+__all__ = ["FS_METHODS", "METHODS", "hub_api_patches"]
 
 # HfApi's read-only metadata methods, each also a module-level function of huggingface_hub.
 METHODS: Final = ("model_info", "dataset_info", "space_info", "repo_info", "repo_exists",
                   "revision_exists", "file_exists", "list_repo_files", "list_repo_tree",
                   "list_repo_refs", "list_repo_commits", "get_paths_info")
+# HfFileSystem's listing methods (each a call of its own; the HfApi calls inside are its record).
+FS_METHODS: Final = ("ls", "info", "exists", "glob", "find")
+# The coordinated call's name of an HfFileSystem method: under ``HfApi.``, so that it counts in
+# the metadata calls' sequence (coordination.call._METADATA_PREFIX).
+_FS_CALL_PREFIX: Final = "HfApi.HfFileSystem."
+# Callers of HfFileSystem's methods whose calls are made as plain: the file system itself and
+# fsspec's methods it inherits (``exists`` -> ``info``, ``walk`` -> ``ls``), and datasets, whose
+# calls depend on caches of its own (its load_dataset is coordinated as a whole).
+_FS_CLIENTS: Final = ("huggingface_hub", "fsspec", "datasets")
 
 
 def _api_of(wrapped: Callable[..., Any], instance: Any) -> Any:
@@ -64,14 +85,15 @@ def _shareable(api: Any) -> bool:
             and getattr(api, "endpoint", constants.ENDPOINT) == constants.ENDPOINT)
 
 
-def _called_by_the_hub_client() -> bool:
+def _called_by_the_hub_client(clients: tuple[str, ...] = ("huggingface_hub",)) -> bool:
     """Whether the patched method's caller (above this function and the wrapper, and any frame
-    of wrapt's pure-Python fallback) is huggingface_hub's own code."""
+    of wrapt's pure-Python fallback) is the code of one of ``clients`` (top-level package
+    names): huggingface_hub's own, by default."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "wrapt":
         frame = frame.f_back
     name = frame.f_globals.get("__name__", "") if frame is not None else ""
-    return name.partition(".")[0] == "huggingface_hub"
+    return name.partition(".")[0] in clients
 
 
 def _failing_at_end(items: list[Any], error: Exception | None) -> Iterator[Any]:
@@ -133,6 +155,36 @@ def _method(name: str, *, answers_from_cache: bool = False) -> Callable[..., Any
     return wrapper
 
 
+def _fs_shareable(fs: Any) -> bool:
+    """Whether an ``HfFileSystem`` sends what every rank's default one sends: ``HF_ENDPOINT``,
+    this process's own credentials, no headers of its own."""
+    from huggingface_hub import constants
+
+    return (fs is not None and getattr(fs, "token", True) is None
+            and getattr(fs, "endpoint", None) == constants.ENDPOINT
+            and _shareable(getattr(fs, "_api", None)))
+
+
+def _fs_path(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return kwargs["path"] if "path" in kwargs else (args[0] if args else None)
+
+
+def _fs_method(name: str) -> Callable[..., Any]:
+    """The wrapper of ``HfFileSystem.<name>``: user code's call coordinated as one metadata
+    call, its file system's ``HfApi`` requests recorded by the leader and replayed to followers
+    (see the module docstring)."""
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        if (not coordinates_here() or _called_by_the_hub_client(_FS_CLIENTS)
+                or not _replays() or not _fs_shareable(instance)):
+            return wrapped(*args, **kwargs)
+        return coordinated(f"{_FS_CALL_PREFIX}{name}", _read_to_end(wrapped), args, kwargs,
+                           Hooks(f"HfFileSystem.{name}({_fs_path(args, kwargs)!r})",
+                                 offline_kwarg=False))
+
+    return wrapper
+
+
 def _replays() -> bool:
     from ..coordination import replay
 
@@ -141,12 +193,16 @@ def _replays() -> bool:
 
 def hub_api_patches() -> list[Patch]:
     """The patches of :data:`METHODS`, on ``HfApi`` and on the module-level functions (with
-    their aliases elsewhere). Landed when ``huggingface_hub.hf_api`` is imported; a method
-    this huggingface_hub lacks is skipped at install."""
+    their aliases elsewhere), and of :data:`FS_METHODS` on ``HfFileSystem``. Landed when
+    ``huggingface_hub.hf_api`` (``hf_file_system``) is imported; a method this huggingface_hub
+    lacks is skipped at install."""
     patches = []
     for name in METHODS:
         patches.append(Patch("huggingface_hub.hf_api", f"HfApi.{name}", _method(name)))
         patches.append(Patch("huggingface_hub.hf_api", name,
                              _method(name, answers_from_cache=name == "file_exists"),
                              rebind_aliases=True))
+    for name in FS_METHODS:
+        patches.append(Patch("huggingface_hub.hf_file_system", f"HfFileSystem.{name}",
+                             _fs_method(name)))
     return patches

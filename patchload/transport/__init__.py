@@ -1,6 +1,6 @@
 """How tensor bytes move from a leader to its followers.
 
-:mod:`patchload.transport.base` states the transport Protocol that :mod:`patchload._load`
+:mod:`patchload.transport.base` states the transport Protocol that :mod:`patchload.weights`
 dispatches on; one backend per module implements it, each holding its own state:
 
 - :mod:`patchload.transport.node_shm` (``"shm"``): inside one node, over the byte mover

@@ -1,6 +1,6 @@
 """The transport Protocol: how a leader's loaded tensors reach the followers of one load call.
 
-:mod:`patchload._load` decides who leads and what is verified; a transport only moves the
+:mod:`patchload.weights` decides who leads and what is verified; a transport only moves the
 tensors and owns what keeps them alive. One backend per module, each an object holding its own
 state:
 
@@ -28,7 +28,7 @@ __all__ = ["WeightTransport"]
 
 
 class WeightTransport(Protocol):
-    """What :mod:`patchload._load` needs of a transport.
+    """What :mod:`patchload.weights` needs of a transport.
 
     Attributes:
         name: published with the weights (``weights["transport"]``); followers pick the backend

@@ -30,6 +30,9 @@ A step (every key but ``name`` and ``op`` is optional):
   saved file recorded (``saved_files``).
 * ``hub_api``: ``huggingface_hub.<method>(repo, *args, **kwargs)`` (``via: "HfApi"``: through
   ``HfApi(**api)``); its result's ``repr`` recorded (a generator's items, read in the op).
+* ``hf_fs``: ``HfFileSystem(skip_instance_cache=True).<method>(path, *args, **kwargs)`` (a fresh
+  instance per step: no listing or instance cached by an earlier step); ``read: true`` opens
+  ``path`` and reads it to the end instead. Its result rendered without times (:func:`fs_view`).
 * ``repo``: repo id or path (``"./ckpt"`` resolves against the rank's working directory);
   ``cls``: the transformers class for ``model`` (default ``AutoModelForCausalLM``);
   ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``).
@@ -435,13 +438,40 @@ def op_hub_api(step: dict[str, Any]) -> dict[str, Any]:
     return {"type": type(result).__name__, "repr": norm(repr(result))}
 
 
+def fs_view(result: Any) -> Any:
+    """An ``HfFileSystem`` result without what differs between runs (commit dates): an entry
+    dict as its name, size and type; names sorted; bytes as their length and sha256."""
+    if isinstance(result, bytes):
+        return {"bytes": len(result), "sha256": hashlib.sha256(result).hexdigest()}
+    if isinstance(result, dict) and "name" in result:
+        return {key: result.get(key) for key in ("name", "size", "type")}
+    if isinstance(result, dict):
+        return {name: fs_view(entry) for name, entry in sorted(result.items())}
+    if isinstance(result, list):
+        return sorted((fs_view(item) for item in result), key=lambda v: json.dumps(v))
+    return result
+
+
+def op_hf_fs(step: dict[str, Any]) -> dict[str, Any]:
+    from huggingface_hub import HfFileSystem
+
+    fs = HfFileSystem(skip_instance_cache=True)
+    if step.get("read"):
+        with fs.open(step["path"], "rb") as file:
+            result: Any = file.read()
+    else:
+        result = getattr(fs, step["method"])(step["path"], *step.get("args", []),
+                                             **_kwargs(step))
+    return {"type": type(result).__name__, "value": jsonable(fs_view(result))}
+
+
 OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "model": op_model, "config": op_config, "generation_config": op_generation_config,
     "tokenizer": op_tokenizer, "hf_hub_download": op_hf_hub_download,
     "thread_pool": op_thread_pool, "snapshot_download": op_snapshot_download,
     "processor": op_processor, "sentence_transformer": op_sentence_transformer,
     "train": op_train, "model_to": op_model_to, "blob_handles": op_blob_handles,
-    "hub_api": op_hub_api}
+    "hub_api": op_hub_api, "hf_fs": op_hf_fs}
 
 
 # --- running a step -----------------------------------------------------------------------------

@@ -342,7 +342,8 @@ def _settle_threads(timeout_s: float = 5.0) -> None:
     their polling periods): a thread that never ends is still counted."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(
-            t.name in ("patchload-heartbeat", "patchload-shares", "patchload-leader-watch")
+            t.name in ("patchload-heartbeat", "patchload-shares", "patchload-leader-watch",
+                       "patchload-key-reaper")
             for t in threading.enumerate()):
         time.sleep(0.05)
 
