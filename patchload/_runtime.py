@@ -10,15 +10,18 @@ something to end (a thread, a blob, a store client) has a ``close()`` and says i
 
 1. ``RELEASE_SHARES``: open shares are released, after the followers that arrived took their
    blobs (bounded by ``PATCHLOAD_EXIT_WAIT``), and the mapped-model watcher stops;
-2. ``ANNOUNCE_EXIT``: rank 0's last word in the store (its credentials check, its exit);
-3. ``STOP_THREADS``: the heartbeat and the leader watch stop, and the helpers of interrupted
-   store waits end (they use the stores);
-4. ``CLOSE_STORES``: last, the store clients close (and a node-local store's file is left).
+2. ``ANNOUNCE_EXIT``: rank 0's last word in the store (its credentials check, its exit; at
+   uninstall it also deletes the call-sequence entries it published);
+3. ``STOP_THREADS``: the heartbeat, the leader watch and the key reaper stop (at uninstall the
+   reaper first deletes the keys still pending: a next install counts its calls from 1 again);
+4. ``CLOSE_STORES``: last, the helpers of interrupted store waits end (each within its own
+   bound), then the store clients close (and a node-local store's file is left).
 
 Module-level state that is not the runtime's (``tests/test_runtime.py`` holds the list):
 ContextVars (per context, not per install), the locks guarding :data:`_CURRENT`, ``Final``
 constants, and caches of facts about the process that outlive an install (its kernel and node
-id, keyed by pid; the rank it was forked from; its fallback private directory).
+id, keyed by pid; the rank it was forked from; its fallback private directory; the answers
+huggingface_hub's own caches hold, ``coordination.replay.HISTORY``).
 
 Not collective; no I/O of its own.
 """
