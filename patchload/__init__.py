@@ -1,16 +1,19 @@
 """patchload: rank-aware Hugging Face model loading for distributed PyTorch jobs.
 
-``import patchload`` installs the patches (unless ``PATCHLOAD=0``): under torchrun, accelerate,
+``import patchload`` installs the patches (unless ``PATCHLOAD=0``; they land at the first import
+of a third-party package, or at once if one is imported already): under torchrun, accelerate,
 deepspeed, srun or mpirun one process downloads and reads the weights, the others wait and
 receive them. With one process every patched call passes straight through.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
-from . import _state
+from . import _runtime, _state
 from ._config import Config, load_config
+from ._landing import LandOnFirstImport, third_party_imported
 from ._errors import (
     ConfigError,
     LeaderFailedError,
@@ -47,6 +50,10 @@ __version__ = "0.1.0"
 def install(config: Config | None = None) -> None:
     """Install every patch (now, or when the patched library is first imported). Idempotent.
 
+    The patches land at once when a third-party package is imported already, else at the first
+    import of one (:class:`patchload._landing.LandOnFirstImport`): ``import patchload`` alone
+    imports neither wrapt nor the patch modules.
+
     Args:
         config: the settings; read from the ``PATCHLOAD_*`` variables when None (all of them,
             even under ``PATCHLOAD=0``: calling install() is asking for the patches).
@@ -56,12 +63,24 @@ def install(config: Config | None = None) -> None:
     """
     from ._config import _read
     from ._logging import configure
-    from ._patching import install_patches
-    from .coordination.scope import announce_when_hub_imported
 
     cfg = config or _read()
     configure(cfg.log_level)
+    _runtime.start()
     _state.set_active(True, cfg)
+    landing = _runtime.current().part(LandOnFirstImport)
+    if third_party_imported():
+        landing.disarm()
+        _land()
+    else:
+        landing.arm(_land)
+
+
+def _land() -> None:
+    """Land every patch now or when its module is first imported (imports wrapt)."""
+    from ._patching import install_patches
+    from .coordination.scope import announce_when_hub_imported
+
     install_patches(_patches())
     announce_when_hub_imported()
 
@@ -78,15 +97,22 @@ def _patches() -> list[Patch]:
 
 
 def uninstall() -> None:
-    """Remove every patch, restoring the original objects (identity), in reverse order.
+    """Remove every patch, restoring the original objects (identity), in reverse order, and end
+    what the install started (:meth:`patchload._runtime.Runtime.close`: open shares released once
+    their followers took them, background threads stopped, store clients closed).
 
     Raises:
         PatchConflictError: another library replaced a patched attribute after patchload.
     """
-    from ._patching import uninstall_patches
-
     _state.set_active(False)
-    uninstall_patches()
+    _runtime.current().part(LandOnFirstImport).disarm()
+    try:
+        if "patchload._patching" in sys.modules:  # else nothing landed
+            from ._patching import uninstall_patches
+
+            uninstall_patches()
+    finally:
+        _runtime.end()
 
 
 def is_installed() -> bool:

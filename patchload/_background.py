@@ -2,8 +2,8 @@
 
 The heartbeat, the leader watch, the node leader's blob watcher and the mapped-model watcher
 share one life cycle: a daemon thread that starts with the first piece of work, repeats one step
-every period while work is left, ends by itself when none is, and is stopped and joined at
-interpreter exit. A daemon thread still inside a store request when the interpreter finalizes
+every period while work is left, ends by itself when none is, and is stopped and joined when
+the install ends (``uninstall()``, interpreter exit: :mod:`patchload._runtime`). A daemon thread still inside a store request when the interpreter finalizes
 is killed while unwinding C++ frames, which aborts the whole process ("terminate called without
 an active exception"): hence the join.
 """
@@ -57,7 +57,8 @@ class Loop:
             self._thread.start()
 
     def stop(self, timeout_s: float = JOIN_AT_EXIT_S) -> None:
-        """Stop the thread and wait for it, at most ``timeout_s`` seconds (at exit)."""
+        """Stop the thread and wait for it, at most ``timeout_s`` seconds (when the install ends:
+        uninstall, interpreter exit)."""
         self._stopping.set()
         with self._lock:
             thread = self._thread

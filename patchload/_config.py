@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Final, Mapping
 
+from . import _runtime
 from ._errors import ConfigError
 from ._logging import get_logger
 from ._topology import current_topology
@@ -62,8 +63,14 @@ _SUFFIXES: Final = tuple(name[len(_PREFIX):] for name in _VARIABLES if name.star
 _TOOL_VARIABLES: Final = ("PATCHLOAD_HUB_LOG_LEVEL",  # patchload.testing.hub
                           "PATCHLOAD_MEASURE_DIR")  # demo/site/sitecustomize.py
 
-_WARNED: set[str] = set()  # unknown names already reported by this process
-_WARNED_LOCK: Final = threading.Lock()
+
+
+class _Warned:
+    """The unknown variable names this install already reported."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.lock = threading.Lock()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -232,10 +239,11 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
     for name in sorted(env):
         if not name.startswith(_PREFIX) or name in known:
             continue
-        with _WARNED_LOCK:
-            if name in _WARNED:
+        warned = _runtime.current().part(_Warned)
+        with warned.lock:
+            if name in warned.names:
                 continue
-            _WARNED.add(name)
+            warned.names.add(name)
         # Compared without the common prefix, which would make every name look close.
         close = difflib.get_close_matches(name[len(_PREFIX):], _SUFFIXES, n=1)
         if close:

@@ -14,6 +14,8 @@ from typing import Any, Final
 
 from ._libraries import facts
 
+from . import _runtime
+
 __all__ = [
     "PatchloadError",
     "ConfigError",
@@ -219,11 +221,16 @@ def _resolve_class(module: str, qualname: str) -> type[BaseException] | None:
     return None
 
 
-_FOLLOWER_CLASSES: dict[type, type] = {}
+class _FollowerClasses:
+    """The follower classes this install made: a leader's exception class -> its subclass."""
+
+    def __init__(self) -> None:
+        self.made: dict[type, type] = {}
 
 
 def _follower_class(original: type[BaseException]) -> type[BaseException]:
-    cls = _FOLLOWER_CLASSES.get(original)
+    made = _runtime.current().part(_FollowerClasses).made
+    cls = made.get(original)
     if cls is not None:
         return cls
     namespace = {"__str__": lambda self: self._patchload_message,
@@ -236,7 +243,7 @@ def _follower_class(original: type[BaseException]) -> type[BaseException]:
     except TypeError:  # instance layouts conflict (C-level bases): keep only the original
         cls = type(original.__name__, (original,), namespace)
     cls.__qualname__ = original.__qualname__
-    _FOLLOWER_CLASSES[original] = cls
+    made[original] = cls
     return cls
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import _runtime
+
 __all__ = ["LibraryFacts", "facts", "hand_down"]
 
 
@@ -38,15 +40,18 @@ class LibraryFacts:
     unsafe_kwargs: tuple[str, ...] = ()
 
 
-_FACTS = LibraryFacts()
+class _HandedDown:
+    """The runtime's facts (a part of :class:`patchload._runtime.Runtime`)."""
+
+    def __init__(self) -> None:
+        self.facts = LibraryFacts()
 
 
 def hand_down(library_facts: LibraryFacts) -> None:
     """Set the facts the lower layers read (see the module docstring); idempotent."""
-    global _FACTS
-    _FACTS = library_facts
+    _runtime.current().part(_HandedDown).facts = library_facts
 
 
 def facts() -> LibraryFacts:
-    """The facts handed down last (empty ones before the first hand-over)."""
-    return _FACTS
+    """The facts handed down last in this install (empty ones before the hand-over)."""
+    return _runtime.current().part(_HandedDown).facts

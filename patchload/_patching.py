@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import wrapt
 
-from . import _state
+from . import _runtime, _state
 from ._errors import PatchConflictError
 from ._logging import get_logger
 
@@ -58,15 +58,23 @@ class _Landed:
     owned: bool  # the attribute was in vars(parent) before patching
 
 
-_LANDED: list[_Landed] = []
-_LOCK = threading.RLock()
-_GENERATION = 0  # bumps on uninstall, so post-import hooks of an old install do nothing
+class _Landing:
+    """The runtime's landed patches, in landing order."""
+
+    def __init__(self) -> None:
+        self.landed: list[_Landed] = []
+        self.lock = threading.RLock()
+        self.generation = 0  # bumps on uninstall, so post-import hooks of an old install do nothing
+
+
+def _landing() -> _Landing:
+    return _runtime.current().part(_Landing)
 
 
 def _land(parent: Any, attribute: str, original: Any, replacement: Any) -> None:
     owned = attribute in vars(parent)
     wrapt.apply_patch(parent, attribute, replacement)
-    _LANDED.append(_Landed(parent, attribute, original, replacement, owned))
+    _landing().landed.append(_Landed(parent, attribute, original, replacement, owned))
 
 
 def _is_ours(obj: Any) -> bool:
@@ -117,14 +125,15 @@ def _rebind_landed(patch: Patch, module: Any) -> None:
 def _adopt_copies(original: Any, replacement: Any) -> None:
     """Record the module attributes that copied ``replacement`` by name after it landed, so
     that :func:`uninstall_patches` puts ``original`` back there too."""
-    known = {(id(landed.parent), landed.attribute) for landed in _LANDED}
+    landed_ = _landing().landed
+    known = {(id(landed.parent), landed.attribute) for landed in landed_}
     for name, mod in list(sys.modules.items()):
         namespace = getattr(mod, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
         for attribute, value in list(namespace.items()):
             if value is replacement and (id(mod), attribute) not in known:
-                _LANDED.append(_Landed(mod, attribute, original, replacement, owned=True))
+                landed_.append(_Landed(mod, attribute, original, replacement, owned=True))
                 logger.debug("rebound %s.%s", name, attribute)
 
 
@@ -134,12 +143,13 @@ def install_patches(patches: list[Patch]) -> None:
     A patch whose target attribute does not exist in the installed library version is skipped
     with a DEBUG line (libraries move things between versions).
     """
-    with _LOCK:
-        generation = _GENERATION
+    state = _landing()
+    with state.lock:
+        generation = state.generation
         for patch in patches:
             def hook(module: Any, patch: Patch = patch) -> None:
-                with _LOCK:
-                    if generation != _GENERATION:
+                with state.lock:
+                    if generation != state.generation:
                         return
                     try:
                         _apply(patch, module)
@@ -156,8 +166,8 @@ def install_patches(patches: list[Patch]) -> None:
                 # package afterwards (``torch.distributed`` star-imports ``distributed_c10d``):
                 # rebind once the whole package is imported, so uninstall restores those too.
                 def rebind(_: Any, patch: Patch = patch) -> None:
-                    with _LOCK:
-                        if generation == _GENERATION and patch.module in sys.modules:
+                    with state.lock:
+                        if generation == state.generation and patch.module in sys.modules:
                             _rebind_landed(patch, sys.modules[patch.module])
 
                 wrapt.register_post_import_hook(rebind, top)
@@ -170,12 +180,12 @@ def uninstall_patches() -> None:
         PatchConflictError: some attribute no longer holds patchload's wrapper (another library
             replaced it); the others are still restored.
     """
-    global _GENERATION
     conflicts = []
-    with _LOCK:
-        _GENERATION += 1
-        while _LANDED:
-            landed = _LANDED.pop()
+    state = _landing()
+    with state.lock:
+        state.generation += 1
+        while state.landed:
+            landed = state.landed.pop()
             current = vars(landed.parent).get(landed.attribute)
             if current is not landed.replacement:
                 conflicts.append(f"{_name(landed.parent)}.{landed.attribute}")
@@ -197,5 +207,6 @@ def _name(parent: Any) -> str:
 
 def installed_patches() -> list[str]:
     """The patched attributes, as ``module.attribute`` strings, in install order."""
-    with _LOCK:
-        return [f"{_name(p.parent)}.{p.attribute}" for p in _LANDED]
+    state = _landing()
+    with state.lock:
+        return [f"{_name(p.parent)}.{p.attribute}" for p in state.landed]

@@ -13,33 +13,45 @@ from __future__ import annotations
 
 import os
 
+from . import _runtime
 from ._config import Config, load_config
 
 __all__ = ["active", "config", "forked_worker", "installed", "set_active"]
 
-_CONFIG: Config | None = None
-_ACTIVE = False
-# The rank this process was forked from (None: not forked from a rank).
+# The rank this process was forked from (None: not forked from a rank): a fact about the
+# process, not about an install.
 _FORKED_FROM_RANK: int | None = None
+
+
+class _Switches:
+    """The runtime's configuration and whether its patches are live."""
+
+    def __init__(self) -> None:
+        self.config: Config | None = None
+        self.active = False
+
+
+def _switches() -> _Switches:
+    return _runtime.current().part(_Switches)
 
 
 def config() -> Config:
     """The configuration read by :func:`patchload.install` (read now if not installed)."""
-    global _CONFIG
-    if _CONFIG is None:
-        _CONFIG = load_config()
-    return _CONFIG
+    switches = _switches()
+    if switches.config is None:
+        switches.config = load_config()
+    return switches.config
 
 
 def active() -> bool:
     """True while patchload's patches are installed, in a process that is a rank of the job (not
     a worker forked by one: :func:`forked_worker`); wrappers pass straight through otherwise."""
-    return _ACTIVE and not forked_worker()
+    return _switches().active and not forked_worker()
 
 
 def installed() -> bool:
     """True while patchload's patches are installed (in a forked worker too)."""
-    return _ACTIVE
+    return _switches().active
 
 
 def forked_worker() -> bool:
@@ -72,7 +84,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def set_active(value: bool, cfg: Config | None = None) -> None:
     """Record whether patches are live and the configuration they run with."""
-    global _ACTIVE, _CONFIG
-    _ACTIVE = value
+    switches = _switches()
+    switches.active = value
     if cfg is not None:
-        _CONFIG = cfg
+        switches.config = cfg

@@ -110,6 +110,8 @@ LAYERS: Final[dict[str, int]] = {
     "patchload._patching": FOUNDATION,
     "patchload._logging": FOUNDATION,
     "patchload._background": FOUNDATION,
+    "patchload._runtime": FOUNDATION,
+    "patchload._landing": FOUNDATION,
     # the patch registry's facts, handed down by install()
     "patchload._libraries": FOUNDATION,
     # coordination: ranks agree on one call through the store
@@ -369,7 +371,38 @@ start = time.perf_counter()
 import patchload
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, **{name: name in sys.modules
-                  for name in ("torch", "transformers", "huggingface_hub")}}))
+                  for name in ("torch", "transformers", "huggingface_hub", "wrapt",
+                               "patchload.coordination", "patchload._patching")}}))
+"""
+
+# The patches land at the first import of a third-party package after `import patchload`
+# (patchload._landing.LandOnFirstImport), or at once when one was imported before; each case in
+# a fresh process. `psutil` and `wrapt`: packages the landing imports itself, while the import
+# system is finding them (imported once, their spec kept).
+_LANDING_PROBE: Final = r"""
+import json, sys
+case = sys.argv[1]
+if case == "before":
+    import psutil
+import patchload
+armed = any(type(f).__name__ == "LandOnFirstImport" for f in sys.meta_path)
+landed_at_import = "wrapt" in sys.modules
+if case == "uninstalled":
+    patchload.uninstall()
+if case in ("psutil", "wrapt"):
+    module = __import__(case)
+    user = "patchload.coordination.identity" if case == "psutil" else "patchload._patching"
+    same = (sys.modules[case] is module is getattr(sys.modules[user], case)
+            and module.__spec__.origin == module.__file__)
+else:
+    same = None
+import huggingface_hub.file_download
+from patchload._patching import installed_patches
+print(json.dumps({"armed": armed, "landed_at_import": landed_at_import, "same": same,
+                  "installed": patchload.is_installed(),
+                  "left_meta_path": not any(type(f).__name__ == "LandOnFirstImport"
+                                            for f in sys.meta_path),
+                  "landed": sorted({n.split(".")[0] for n in installed_patches()})}))
 """
 
 
@@ -383,3 +416,25 @@ def test_import_probe(tmp_path):
     assert facts["torch"] is False, facts
     assert facts["transformers"] is False, facts
     assert facts["huggingface_hub"] is False, facts
+    # Nor wrapt and the patch modules: they are imported when the patches land (the import
+    # takes some 25 ms instead of 130-200 ms on a 2-core machine; not asserted: too noisy there).
+    assert facts["wrapt"] is False, facts
+    assert facts["patchload.coordination"] is False, facts
+    assert facts["patchload._patching"] is False, facts
+
+
+@pytest.mark.parametrize("case", ["after", "before", "psutil", "wrapt", "uninstalled"])
+def test_patches_land_at_the_first_third_party_import(tmp_path, case):
+    proc = subprocess.run([sys.executable, "-c", _LANDING_PROBE, case], capture_output=True,
+                          text=True, timeout=200, env=_env(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 0, f"probe failed:\n{proc.stdout}\n{proc.stderr}"
+    facts = json.loads(proc.stdout.splitlines()[-1])
+    assert facts["left_meta_path"], facts
+    if case == "uninstalled":  # nothing lands, and the trigger is gone
+        assert (facts["installed"], facts["landed"]) == (False, []), facts
+        return
+    assert facts["installed"] and "huggingface_hub" in facts["landed"], facts
+    assert facts["armed"] == (case != "before"), facts
+    assert facts["landed_at_import"] == (case == "before"), facts
+    if case in ("psutil", "wrapt"):
+        assert facts["same"] is True, facts

@@ -168,14 +168,14 @@ except patchload.ConfigError as err:
 
 
 def test_unknown_variable_warns_once_with_the_closest_name(caplog, monkeypatch):
-    from patchload import _config
+    from patchload import _config, _runtime
 
-    monkeypatch.setattr(_config, "_WARNED", set())
+    monkeypatch.setattr(_runtime.current().part(_config._Warned), "names", set())
     env = {"PATCHLOAD_TRANPORT": "shm", "PATCHLOAD_XYZZY": "node", "PATCHLOAD_HUB_LOG_LEVEL": "x",
            "PATCHLOAD_MEASURE_DIR": "/m", "PATCHLOADER": "1", "PATCHLOAD": "1"}
     with caplog.at_level(logging.WARNING, logger="patchload"):
         assert load_config(env).transport == "auto"  # ignored
-        load_config(env)  # once per process
+        load_config(env)  # once per install
     assert [(r.name, r.levelno) for r in caplog.records] == [("patchload._config",
                                                              logging.WARNING)] * 2
     assert sorted(r.getMessage() for r in caplog.records) == [

@@ -14,7 +14,6 @@ process (:class:`LeaderWatch`) checks the pids of the local leaders it waits on 
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import threading
 import time
@@ -84,7 +83,7 @@ class Heartbeat:
     ``PATCHLOAD_HEARTBEAT`` period, on a store client of its own: no other thread's request
     (a wait in the store above all) can delay a beat past the followers' patience. It runs
     while the process leads a call (:class:`patchload._background.Loop`) and is stopped and
-    joined at interpreter exit.
+    joined when its runtime closes (uninstall, interpreter exit).
     """
 
     def __init__(self) -> None:
@@ -94,7 +93,6 @@ class Heartbeat:
         self._beating = threading.Lock()  # held by the thread while it beats a call
         self._loop = Loop("patchload-heartbeat", period_s=0.1, busy=lambda: bool(self._calls),
                           step=self._beat_due, lock=self._lock)
-        atexit.register(self.stop)
 
     def add(self, call: Call) -> None:
         with self._lock:
@@ -107,8 +105,8 @@ class Heartbeat:
             self._calls.pop(call.key, None)
 
     def stop(self) -> None:
-        """Stop beating and wait for the thread, at most ``JOIN_AT_EXIT_S`` (2 s; called at
-        interpreter exit)."""
+        """Stop beating and wait for the thread, at most ``JOIN_AT_EXIT_S`` (2 s; called when
+        the runtime closes: uninstall, interpreter exit)."""
         self._loop.stop()
 
     def _beat_due(self) -> None:
@@ -153,7 +151,6 @@ class LeaderWatch:
         self._lock = threading.Lock()
         self._loop = Loop("patchload-leader-watch", period_s=self._PERIOD_S,
                           busy=lambda: bool(self._waits), step=self._check, lock=self._lock)
-        atexit.register(self.stop)
 
     def watch(self, call: Call, role: Role, seen: int) -> int | None:
         """Watch ``role``'s leader while this thread waits for the beat after ``seen``.

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Final, Iterator, TypeVar
 
+from .. import _runtime
 from .._config import Config
 from .._errors import (
     LeaderFailedError,
@@ -54,8 +55,32 @@ logger = get_logger(__name__)
 T = TypeVar("T")
 
 
-_COUNTS: collections.Counter[str] = collections.Counter()
-_COUNTS_LOCK = threading.Lock()
+class _Calls:
+    """The runtime's call counters (one per call base: the n-th call of the same thing on every
+    rank is one call) and the threads that serve its calls: the heartbeat of the calls it
+    leads, the watch over the leaders its followers wait on, and the reaper of finished calls'
+    keys."""
+
+    CLOSE_PHASE: Final = _runtime.STOP_THREADS
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+        self.heartbeat = Heartbeat()
+        self.leader_watch = LeaderWatch()
+        self.reaper = KeyReaper()
+
+    def close(self) -> None:
+        """Stop the heartbeat, the leader watch and the key reaper (each joined, at most
+        ``JOIN_AT_EXIT_S``). At uninstall the reaper first deletes what is still pending: a
+        next install counts its calls from 1 again, so it would meet those keys."""
+        self.heartbeat.stop()
+        self.leader_watch.stop()
+        self.reaper.stop(drain=not _runtime.current().exiting)
+
+
+def _calls() -> _Calls:
+    return _runtime.current().part(_Calls)
 
 
 def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topology,
@@ -82,9 +107,10 @@ def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topol
     where = ("node-" + digest("node", {"kernel": kernel_id(), "index": str(topology.node)})
              if scope == "node" else "job")
     base = f"{where}/{name}/{digest(name, deciding)}"
-    with _COUNTS_LOCK:
-        count = _COUNTS[base]
-        _COUNTS[base] += 1
+    calls = _calls()
+    with calls.lock:
+        count = calls.counts[base]
+        calls.counts[base] += 1
     return Call(f"{base}/{count}/", what, scope, topology, config, job_store(), watch)
 
 
@@ -156,11 +182,6 @@ def _claim(call: Call, *, retry_failed: bool = True
             return narrowed, Role(holder == me, int(info["rank"]), int(info["pid"]),
                                   str(info["node"]), info.get("credentials")), outcome
         attempt += 1
-
-
-_HEARTBEAT: Final = Heartbeat()
-_LEADER_WATCH: Final = LeaderWatch()
-_REAPER: Final = KeyReaper()
 
 
 def publish(call: Call, outcome: dict[str, Any]) -> None:
@@ -294,11 +315,11 @@ def wait_outcome(call: Call, role: Role, *,
         blocked += 1
         if blocked == 2 and last_present is None:
             last_present, counted_at = _bytes_under(call.watch), now
-        token = _LEADER_WATCH.watch(call, role, seen)
+        token = _calls().leader_watch.watch(call, role, seen)
         try:
             wait_beat(call, seen, bound)
         finally:
-            _LEADER_WATCH.unwatch(token)
+            _calls().leader_watch.unwatch(token)
 
 
 _ABSENT: Final = "\x00absent"  # never a published value (JSON has no NUL outside strings)
@@ -507,7 +528,7 @@ def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
         publish(call, {"ok": True, "payload": payload})
         published = True
 
-    _HEARTBEAT.add(call)
+    _calls().heartbeat.add(call)
     try:
         yield done
         if not published:
@@ -522,7 +543,7 @@ def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
                                "rank": call.topology.rank})
         raise
     finally:
-        _HEARTBEAT.remove(call)
+        _calls().heartbeat.remove(call)
 
 
 def finish(call: Call, *, followers: bool = True) -> None:
@@ -550,7 +571,7 @@ def finish(call: Call, *, followers: bool = True) -> None:
         # A small call (a config, a warm download: a few ms) leaves them to the reaper's
         # thread: the rank that finished last does not pay about nine requests before its
         # next call.
-        _REAPER.add(call, followers=False)
+        _calls().reaper.add(call, followers=False)
     except Exception as err:  # noqa: BLE001 - cleanup only
         logger.debug("%s: deleting the store keys of %s failed: %s", call.prefix(), call.key,
                      err)

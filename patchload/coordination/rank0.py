@@ -49,7 +49,6 @@ rank 0 that is behind.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import dataclasses
@@ -63,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Iterator
 
 from .identity import node_id, process_alive
 from .calls import Call, Placement
+from .. import _runtime
 from .._logging import get_logger
 from .._topology import process_group_initialized
 from .store import JobStore
@@ -235,16 +235,11 @@ class _State:
             time.sleep(0.01)  # bounded: at most ~100 writes/s while states flip
 
 
-_STATE: Final = _State()
-
-
 def _opened_stores() -> list[JobStore]:
     """The job stores this process has opened (it never opens one here)."""
-    from . import store
+    from .store import opened_stores
 
-    with store._CACHE_LOCK:
-        return ([job for (_, pid), job in store._CACHE.items() if pid == os.getpid()]
-                + list(store._PG_CACHE.values()))
+    return opened_stores()
 
 
 
@@ -257,11 +252,11 @@ def following(call: Call) -> Iterator[None]:
     if not _is_some_rank0(call.topology):
         yield
         return
-    token = _STATE.enter("following")
+    token = _rank0().state.enter("following")
     try:
         yield
     finally:
-        _STATE.leave(token)
+        _rank0().state.leave(token)
 
 
 def _collective(name: str) -> Callable[..., Any]:
@@ -272,11 +267,11 @@ def _collective(name: str) -> Callable[..., Any]:
         if kwargs.get("async_op") or not _is_some_rank0(current_topology()) \
                 or not current_topology().distributed:
             return wrapped(*args, **kwargs)
-        token = _STATE.enter(name)
+        token = _rank0().state.enter(name)
         try:
             return wrapped(*args, **kwargs)
         finally:
-            _STATE.leave(token)
+            _rank0().state.leave(token)
 
     return wrapper
 
@@ -291,21 +286,7 @@ def collective_patches() -> list[Patch]:
                   rebind_aliases=True) for name in _COLLECTIVES]
 
 
-@atexit.register
-def _at_exit() -> None:
-    # Registered after store._drop_stores (this module imports store), so it runs before it.
-    try:
-        _check_credentials(final=True)
-        _STATE.exit()
-    except Exception as err:  # noqa: BLE001 - at exit: others then see its pid gone
-        logger.debug("publishing this rank's exit failed: %s", err)
-
-
 # --- placing a call -------------------------------------------------------------------------------
-
-_POSITIONS: collections.Counter[str] = collections.Counter()
-_LOCK: Final = threading.Lock()
-
 
 @dataclass
 class _Anchor:
@@ -317,12 +298,57 @@ class _Anchor:
     recent: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
-_ANCHORS: dict[str, _Anchor] = collections.defaultdict(_Anchor)
-# Per sequence, the keys of this process's latest calls: rank 0's entry holding one of them is a
-# call this process makes too, from another thread or in another order, not a call passed by.
-_PLACED: dict[str, collections.OrderedDict[str, None]] = collections.defaultdict(
-    collections.OrderedDict)
 _PLACED_MAX: Final = 256
+
+
+class _Rank0:
+    """The runtime's side of this module: its published rank state, its place in each call
+    sequence and its credentials reports. Closing it is rank 0's last word in the store: the
+    final credentials check and its exit (before the threads stop and the stores close)."""
+
+    CLOSE_PHASE: Final = _runtime.ANNOUNCE_EXIT
+
+    def __init__(self) -> None:
+        self.state = _State()
+        self.positions: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+        self.anchors: dict[str, _Anchor] = collections.defaultdict(_Anchor)
+        # Per sequence, the keys of this process's latest calls: rank 0's entry holding one of
+        # them is a call this process makes too, from another thread or in another order, not a
+        # call passed by.
+        self.placed: dict[str, collections.OrderedDict[str, None]] = collections.defaultdict(
+            collections.OrderedDict)
+        self.credentials: dict[str, Any] = {"reported": {}, "checks": 0, "warned": False,
+                                            "call": None}
+        # id(store) -> (store, the sequence entries this process published there as rank 0)
+        self.published: dict[int, tuple[JobStore, list[str]]] = {}
+
+    def close(self) -> None:
+        try:
+            _check_credentials(final=True)
+            self.state.exit()
+        except Exception as err:  # noqa: BLE001 - at exit: others then see its pid gone
+            logger.debug("publishing this rank's exit failed: %s", err)
+        if not _runtime.current().exiting:
+            self._forget_sequence()
+
+    def _forget_sequence(self) -> None:
+        """At uninstall (not at exit, where nothing restarts): delete the sequence entries this
+        rank published, one request each. A new install counts its calls from 1 again, and its
+        followers would take the old entries for rank 0's new calls."""
+        with self.lock:
+            published, self.published = list(self.published.values()), {}
+        for store, keys in published:
+            try:
+                with store.lock:
+                    for key in keys:
+                        store.store.delete_key(key)
+            except Exception as err:  # noqa: BLE001 - others then see rank 0's exit
+                logger.debug("deleting rank 0's sequence entries failed: %s", err)
+
+
+def _rank0() -> _Rank0:
+    return _runtime.current().part(_Rank0)
 
 
 def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
@@ -343,9 +369,10 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
     """
     kind = "nested" if nested else "metadata" if metadata else "top"
     sequence = f"{call.key.split('/', 1)[0]}/{kind}"
-    with _LOCK:
-        _POSITIONS[sequence] += 1
-        position = _POSITIONS[sequence]
+    mine = _rank0()
+    with mine.lock:
+        mine.positions[sequence] += 1
+        position = mine.positions[sequence]
     _account(sequence, call.key)
     facts = facts or {}
     call = dataclasses.replace(call, placement=Placement(
@@ -365,26 +392,28 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
 
 def _publish(call: Call, facts: dict[str, str]) -> None:
     complete = facts if all(part in facts for part in FACTS) else None
-    if complete is not None or not _STATE.knows(call.store):
-        _STATE.facts(call.store, call.topology.rank, complete)
+    state = _rank0().state
+    if complete is not None or not state.knows(call.store):
+        state.facts(call.store, call.topology.rank, complete)
     placement = call.placement
+    keys = [f"seqkey/{call.key}", f"seq/{placement.sequence}/{placement.position}"]
     with call.store.lock:  # one request for both entries
-        call.store.store.multi_set([f"seqkey/{call.key}",
-                                    f"seq/{placement.sequence}/{placement.position}"],
-                                   [str(placement.position), call.key])
-
-
-_CREDENTIALS: dict[str, Any] = {"reported": {}, "checks": 0, "warned": False, "call": None}
+        call.store.store.multi_set(keys, [str(placement.position), call.key])
+    mine = _rank0()
+    with mine.lock:
+        mine.published.setdefault(id(call.store), (call.store, []))[1].extend(keys)
 
 
 def _report_credentials(call: Call, digest: str) -> None:
     """Each rank appends ``<rank>:<digest>`` to ``ranks/credentials`` once per store, and again
     when its digest changes (its last entry counts); global rank 0 looks at them."""
-    with _LOCK:
-        first = _CREDENTIALS["reported"].get(id(call.store)) != digest
-        _CREDENTIALS["reported"][id(call.store)] = digest
+    mine = _rank0()
+    credentials = mine.credentials
+    with mine.lock:
+        first = credentials["reported"].get(id(call.store)) != digest
+        credentials["reported"][id(call.store)] = digest
         if call.topology.rank == 0:
-            _CREDENTIALS["call"], _CREDENTIALS["mine"] = call, digest
+            credentials["call"], credentials["mine"] = call, digest
     if first:
         with call.store.lock:
             call.store.store.append("ranks/credentials", f"{call.topology.rank}:{digest},")
@@ -395,21 +424,23 @@ def _report_credentials(call: Call, digest: str) -> None:
 def _check_credentials(*, final: bool) -> None:
     """Global rank 0: one WARNING per job naming the ranks whose credentials differ from its
     own, once every rank reported (or at its last look: its 8th call, or exit). Never waits."""
-    with _LOCK:
-        call = _CREDENTIALS["call"]
-        if call is None or _CREDENTIALS["warned"] or _CREDENTIALS["checks"] >= _CREDENTIAL_CHECKS:
+    mine = _rank0()
+    credentials = mine.credentials
+    with mine.lock:
+        call = credentials["call"]
+        if call is None or credentials["warned"] or credentials["checks"] >= _CREDENTIAL_CHECKS:
             return
-        _CREDENTIALS["checks"] += 1
-        last = final or _CREDENTIALS["checks"] >= _CREDENTIAL_CHECKS
+        credentials["checks"] += 1
+        last = final or credentials["checks"] >= _CREDENTIAL_CHECKS
     with call.store.lock:
         text = _read(call.store, "ranks/credentials") or ""
     seen = dict(entry.split(":", 1) for entry in text.split(",") if ":" in entry)
     if len(seen) < call.topology.world_size and not last:
         return
     other = sorted(int(rank) for rank, digest in seen.items()
-                   if digest != _CREDENTIALS["mine"])
-    with _LOCK:
-        _CREDENTIALS["warned"] = True
+                   if digest != credentials["mine"])
+    with mine.lock:
+        credentials["warned"] = True
     if other:
         logger.warning("%s: ranks %s use other hub credentials (HF_TOKEN or the token file) "
                        "than this rank: they share with it only what any credentials can fetch "
@@ -529,16 +560,18 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
 
 
 def _placed_here(sequence: str, key: str) -> bool:
-    with _LOCK:
-        return key in _PLACED[sequence]
+    mine = _rank0()
+    with mine.lock:
+        return key in mine.placed[sequence]
 
 
 def _account(sequence: str, key: str) -> None:
     """Count ``key`` as known to this process in ``sequence``: a call it makes, or rank 0's
     call it passed by with one of its own. A later wait steps over rank 0's entries of such
     keys instead of taking them for a call passed by (the latest :data:`_PLACED_MAX` kept)."""
-    with _LOCK:
-        placed = _PLACED[sequence]
+    mine = _rank0()
+    with mine.lock:
+        placed = mine.placed[sequence]
         placed[key] = None
         while len(placed) > _PLACED_MAX:
             placed.popitem(last=False)
@@ -587,14 +620,15 @@ def _differs(state: dict[str, Any] | None, placement: Placement | None,
 
 def _reanchor(store: JobStore, sequence: str) -> _Anchor:
     """This process's anchor in ``sequence``, moved to its latest call rank 0 has made since."""
-    with _LOCK:
-        anchor = _ANCHORS[sequence]
+    here = _rank0()
+    with here.lock:
+        anchor = here.anchors[sequence]
         recent = list(anchor.recent)
     for mine, key in reversed(recent):
         with store.lock:
             theirs = _read(store, f"seqkey/{key}")
         if theirs is not None:
-            with _LOCK:
+            with here.lock:
                 if mine > anchor.mine:
                     anchor.theirs, anchor.mine = int(theirs), mine
                 anchor.recent = [(m, k) for m, k in anchor.recent if m > mine]
@@ -605,8 +639,9 @@ def _reanchor(store: JobStore, sequence: str) -> _Anchor:
 def _matched(placement: Placement | None, theirs: int) -> None:
     if placement is None:
         return
-    with _LOCK:
-        anchor = _ANCHORS[placement.sequence]
+    here = _rank0()
+    with here.lock:
+        anchor = here.anchors[placement.sequence]
         if placement.position > anchor.mine:
             anchor.theirs, anchor.mine = theirs, placement.position
         anchor.recent = [(m, k) for m, k in anchor.recent if m > placement.position]
@@ -616,6 +651,7 @@ def _gave_up(call: Call, placement: Placement | None, reason: str, *, remember: 
     logger.debug("%s: not waiting for rank %d any longer: %s", call.prefix(), scope_rank0(call),
                  reason)
     if remember and placement is not None:
-        with _LOCK:
-            anchor = _ANCHORS[placement.sequence]
+        here = _rank0()
+        with here.lock:
+            anchor = here.anchors[placement.sequence]
             anchor.recent = [*anchor.recent, (placement.position, call.base)][-_RECENT:]

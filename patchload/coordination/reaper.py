@@ -16,7 +16,6 @@ the last process out removes a node-local one), as for a store that fails.
 
 from __future__ import annotations
 
-import atexit
 import threading
 from typing import TYPE_CHECKING, Final
 
@@ -61,8 +60,9 @@ class KeyReaper:
     """One daemon thread per process that deletes the keys of the calls handed to it
     (:meth:`add`), in the order given, on a store client no other thread uses meanwhile
     (:meth:`~patchload.coordination.store.JobStore.spare_client`). It runs while deletions are
-    pending (:class:`patchload._background.Loop`) and is stopped at interpreter exit, before
-    the stores close; what is still pending then is dropped (the keys stay)."""
+    pending (:class:`patchload._background.Loop`) and is stopped when the install ends, before
+    the stores close (:mod:`patchload._runtime`); what is still pending then is dropped at
+    interpreter exit (the keys stay) and deleted at ``uninstall()``."""
 
     _PERIOD_S: Final = 0.05
 
@@ -71,7 +71,6 @@ class KeyReaper:
         self._lock = threading.Lock()
         self._loop = Loop("patchload-key-reaper", period_s=self._PERIOD_S,
                           busy=lambda: bool(self._pending), step=self._reap, lock=self._lock)
-        atexit.register(self.stop)
 
     def add(self, call: Call, *, followers: bool) -> None:
         """Delete the keys of ``call`` soon (see :func:`delete_keys`). Never waits."""
@@ -79,19 +78,31 @@ class KeyReaper:
             self._pending.append((call, followers))
             self._loop.ensure()
 
-    def stop(self) -> None:
-        """Stop the thread and wait for its current deletion, at most ``JOIN_AT_EXIT_S``."""
+    def stop(self, *, drain: bool = False) -> None:
+        """Stop the thread and wait for its current deletion, at most ``JOIN_AT_EXIT_S``; with
+        ``drain`` (at uninstall), then delete what is still pending, on the calling thread."""
         self._loop.stop()
+        if drain:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for call, followers in pending:
+                self._delete(call, followers)
 
     def _reap(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
-        for call, followers in pending:
+        for i, (call, followers) in enumerate(pending):
             if self._loop.stopping:
-                return  # at exit: the rest stay in the store
-            try:
-                with call.store.spare_client() as client:
-                    delete_keys(client, call, followers=followers)
-            except Exception as err:  # noqa: BLE001 - cleanup only: the keys stay
-                logger.debug("%s: deleting the store keys of %s failed: %s", call.prefix(),
-                             call.key, err)
+                with self._lock:  # at exit the rest stay in the store; at uninstall, stop()
+                    self._pending[:0] = pending[i:]  # deletes them
+                return
+            self._delete(call, followers)
+
+    @staticmethod
+    def _delete(call: Call, followers: bool) -> None:
+        try:
+            with call.store.spare_client() as client:
+                delete_keys(client, call, followers=followers)
+        except Exception as err:  # noqa: BLE001 - cleanup only: the keys stay
+            logger.debug("%s: deleting the store keys of %s failed: %s", call.prefix(),
+                         call.key, err)

@@ -40,8 +40,8 @@ import os
 import threading
 import uuid
 from pathlib import Path
-from typing import Final
 
+from .. import _runtime
 from .._config import Config
 from .._logging import get_logger
 from .._topology import Topology
@@ -51,10 +51,19 @@ __all__ = ["announce_when_hub_imported", "download_scope"]
 
 logger = get_logger(__name__)
 
-_DECIDED: dict[str, str] = {}
-_SHOWN: set[str] = set()  # cache paths whose node marker this process published or found
-_WARNED: set[str] = set()
-_LOCK: Final = threading.Lock()
+class _Scopes:
+    """The runtime's scope decisions: hub cache path -> scope, the cache paths whose node marker
+    this process published or found, and the warnings already given."""
+
+    def __init__(self) -> None:
+        self.decided: dict[str, str] = {}
+        self.shown: set[str] = set()
+        self.warned: set[str] = set()
+        self.lock = threading.Lock()
+
+
+def _scopes() -> _Scopes:
+    return _runtime.current().part(_Scopes)
 
 
 def _hub_cache() -> Path:
@@ -88,7 +97,8 @@ def _keys(cache: Path) -> str:
 def _show(topology: Topology, store: JobStore, cache: Path) -> None:
     """Publish this node's marker for ``cache`` unless this process or another rank of its node
     already did. Not collective; never waits (two store requests at most)."""
-    if str(cache) in _SHOWN:
+    shown_here = _scopes().shown
+    if str(cache) in shown_here:
         return
     key = _keys(cache) + f"node/{topology.node}"
     with store.lock:
@@ -100,7 +110,7 @@ def _show(topology: Topology, store: JobStore, cache: Path) -> None:
             held = json.loads(store.store.compare_set(key, "", json.dumps(nonce)))
         if held != nonce:  # another rank of this node was first: its marker stands
             _remove(marker)
-    _SHOWN.add(str(cache))
+    shown_here.add(str(cache))
 
 
 def _decide(topology: Topology, store: JobStore, cache: Path) -> tuple[str, str]:
@@ -165,8 +175,9 @@ def download_scope(config: Config, topology: Topology, store: JobStore) -> str:
     if topology.num_nodes == 1:
         return "node"
     if store.node_local:
-        if config.download_scope == "job" and "job" not in _WARNED:
-            _WARNED.add("job")
+        warned = _scopes().warned
+        if config.download_scope == "job" and "job" not in warned:
+            warned.add("job")
             logger.warning("[rank %d] PATCHLOAD_DOWNLOAD_SCOPE=job, but no store spans the nodes "
                            "(not under torchrun and no process group yet): downloads per node",
                            topology.rank)
@@ -174,12 +185,13 @@ def download_scope(config: Config, topology: Topology, store: JobStore) -> str:
     if config.download_scope != "auto":
         return config.download_scope
     cache = _hub_cache()
-    with _LOCK:
-        if str(cache) not in _DECIDED:
+    scopes = _scopes()
+    with scopes.lock:
+        if str(cache) not in scopes.decided:
             scope, why = _detect(topology, store, cache)
-            _DECIDED[str(cache)] = scope
+            scopes.decided[str(cache)] = scope
             logger.info("[rank %d] download scope %s (auto: %s)", topology.rank, scope, why)
-        return _DECIDED[str(cache)]
+        return scopes.decided[str(cache)]
 
 
 def announce_when_hub_imported() -> None:
@@ -202,7 +214,7 @@ def announce_when_hub_imported() -> None:
             if (not _state.active() or _state.config().download_scope != "auto"
                     or topology.num_nodes == 1 or _kind() != "agent"):
                 return
-            with _LOCK:
+            with _scopes().lock:
                 _show(topology, job_store(), _hub_cache())
         except Exception as err:  # noqa: BLE001 - an early courtesy; the first call retries
             logger.debug("showing this node's hub cache at import failed: %s", err)

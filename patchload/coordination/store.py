@@ -7,11 +7,12 @@ Coordination never uses collectives on the user's process group: it goes through
    store at ``MASTER_ADDR:MASTER_PORT``: there before and after the user's ``init_process_group``;
 2. the default process group's store, once ``init_process_group`` ran;
 3. a ``FileStore`` in a node-local, per-user directory: downloads are then coordinated inside one
-   node only. Every process that opens it counts itself in; at exit, once its own clients of
-   the file are closed, it counts itself out, and the last one out removes the file, as does
-   one that finds every other process that used it gone (killed). A ``FileStore`` writes to its
-   file even when destroyed, so a client destroyed after the removal would recreate the file,
-   and one still holding a read position in the old file would read garbage from the new one.
+   node only. Every process that opens it counts itself in; at exit (or uninstall), once its
+   own clients of the file are closed, it counts itself out, and the last one out removes the
+   file, as does one that finds every other process that used it gone (killed). A
+   ``FileStore`` writes to its file even when destroyed, so a client destroyed after the
+   removal would recreate the file, and one still holding a read position in the old file
+   would read garbage from the new one.
 
 Every key is namespaced with a ``PrefixStore`` naming the job (run id and restart count), so a
 restarted job never sees the keys of the attempt before.
@@ -32,6 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Final, Iterator
 
+from .. import _runtime
 from .._logging import get_logger
 from .identity import job_id, node_id, process_alive
 
@@ -78,6 +80,7 @@ class JobStore:
     same_credentials: set[tuple[frozenset[int], str]] = field(default_factory=set, repr=False)
     _idle: list[Store] = field(default_factory=list, repr=False)
     _heartbeat: Store | None = field(default=None, repr=False)
+    _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)  # _idle, _heartbeat
 
     @property
     def node_local(self) -> bool:
@@ -102,7 +105,7 @@ class JobStore:
         ``SystemExit``, whatever a handler raises) propagates unchanged, after ``wake`` (if
         given: it makes the store wait return, e.g. by setting ``key``) and a join of the
         helper of at most ``_WAKE_JOIN_S`` (1 s). A helper still waiting then (no ``wake``) is
-        joined at interpreter exit, at most until its own bound: a thread still inside a store
+        joined when the install ends (uninstall, interpreter exit), at most until its own bound: a thread still inside a store
         request when the interpreter finalizes aborts the process.
 
         Returns:
@@ -113,18 +116,19 @@ class JobStore:
             return self._wait_for(key, timeout_s)  # signal handlers run on the main thread only
         found = [False]
         finished = threading.Event()
+        stores = _stores()
 
         def run() -> None:
             try:
                 found[0] = self._wait_for(key, timeout_s)
             finally:
                 finished.set()
-                with _CACHE_LOCK:
-                    _WAITERS.pop(threading.current_thread(), None)
+                with stores.lock:
+                    stores.waiters.pop(threading.current_thread(), None)
 
         helper = threading.Thread(target=run, name="patchload-store-wait", daemon=True)
-        with _CACHE_LOCK:
-            _WAITERS[helper] = time.monotonic() + timeout_s
+        with stores.lock:
+            stores.waiters[helper] = time.monotonic() + timeout_s
         helper.start()
         try:
             while not finished.wait(_SLICE_S):
@@ -155,7 +159,7 @@ class JobStore:
                 logger.debug("waiting for store key %s failed: %s", key, err)
                 time.sleep(min(left, 1.0))
                 return False  # and the client is not reused
-        with _CACHE_LOCK:
+        with self._guard:
             self._idle.append(client)
         return found
 
@@ -167,7 +171,7 @@ class JobStore:
         Raises:
             RuntimeError: the store was closed, or cannot be reached.
         """
-        with _CACHE_LOCK:
+        with self._guard:
             if self._heartbeat is None:
                 self._heartbeat = self.store.clone()
             return self._heartbeat
@@ -185,56 +189,77 @@ class JobStore:
         """
         client = self._idle_client()
         yield client  # a request that raised leaves the client out, as a failed wait does
-        with _CACHE_LOCK:
+        with self._guard:
             self._idle.append(client)
 
     def _idle_client(self) -> Store:
-        with _CACHE_LOCK:
+        with self._guard:
             client = self._idle.pop() if self._idle else None
         return client if client is not None else self.store.clone()
 
     def close(self) -> None:
-        """Destroy this process's clients of the store (at exit); any later use raises
+        """Destroy this process's clients of the store (uninstall, exit); any later use raises
         ``RuntimeError``. Not collective."""
-        with self.lock, _CACHE_LOCK:
+        with self.lock, self._guard:
             self._idle.clear()
             self._heartbeat = None
             self.store = _ClosedStore()  # type: ignore[assignment]
 
 
-_CACHE: dict[tuple[str, int], JobStore] = {}
-# The default process group's store -> its JobStore, for as long as the group holds that store:
-# holding it past destroy_process_group would keep rank 0's server socket, and a new group on
-# the same port would hang.
-_PG_CACHE: weakref.WeakKeyDictionary[Store, JobStore] = weakref.WeakKeyDictionary()
-_CACHE_LOCK = threading.Lock()
-_PG_LOCK = threading.RLock()
-# Helper threads of interrupted store waits (JobStore.wait_for) -> when their wait ends
-# (time.monotonic()): joined at exit, before the stores close.
-_WAITERS: dict[threading.Thread, float] = {}
 _SLICE_S: Final = 0.25
 _WAKE_JOIN_S: Final = 1.0
 
 
-@atexit.register
-def _drop_stores() -> None:
-    # Close store clients while the interpreter is whole, not during its finalization, where
-    # destroying torch's C++ objects in an arbitrary order can abort the process. Registered
-    # when this module is imported, so it runs after the exit hooks of the threads that use
-    # the store (atexit runs hooks last-registered first). First the helpers of interrupted
-    # waits still in theirs (JobStore.wait_for), each until its own bound.
-    with _CACHE_LOCK:
-        waiters = list(_WAITERS.items())
-    for helper, until in waiters:
-        helper.join(max(0.0, until - time.monotonic()) + 0.5)
-    with _CACHE_LOCK:
-        mine = [job for (_, pid), job in _CACHE.items() if pid == os.getpid()]
-        _CACHE.clear()
-        _PG_CACHE.clear()
-    for job in mine:
-        job.close()
-        if job.file is not None:
-            _leave_file_store(job.file)
+class _Stores:
+    """The runtime's job stores and the helpers of its interrupted store waits."""
+
+    CLOSE_PHASE: Final = _runtime.CLOSE_STORES
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[str, int], JobStore] = {}
+        # The default process group's store -> its JobStore, for as long as the group holds that
+        # store: holding it past destroy_process_group would keep rank 0's server socket, and a
+        # new group on the same port would hang.
+        self.pg_cache: weakref.WeakKeyDictionary[Store, JobStore] = weakref.WeakKeyDictionary()
+        self.lock = threading.Lock()
+        self.pg_lock = threading.RLock()  # the lock of every process group's JobStore
+        # Helper threads of interrupted store waits (JobStore.wait_for) -> when their wait ends
+        # (time.monotonic()): joined before the stores close.
+        self.waiters: dict[threading.Thread, float] = {}
+
+    def opened(self) -> list[JobStore]:
+        """The job stores this process opened (not those of the process it was forked from)."""
+        with self.lock:
+            return ([job for (_, pid), job in self.cache.items() if pid == os.getpid()]
+                    + list(self.pg_cache.values()))
+
+    def close(self) -> None:
+        """Close the store clients while the interpreter is whole, not during its finalization,
+        where destroying torch's C++ objects in an arbitrary order can abort the process. Last
+        of the runtime's parts (:mod:`patchload._runtime`): the threads that use the stores have
+        stopped. First the helpers of interrupted waits still in theirs
+        (:meth:`JobStore.wait_for`), each until its own bound."""
+        with self.lock:
+            waiters = list(self.waiters.items())
+        for helper, until in waiters:
+            helper.join(max(0.0, until - time.monotonic()) + 0.5)
+        with self.lock:
+            mine = [job for (_, pid), job in self.cache.items() if pid == os.getpid()]
+            self.cache.clear()
+            self.pg_cache.clear()
+        for job in mine:
+            job.close()
+            if job.file is not None:
+                _leave_file_store(job.file)
+
+
+def _stores() -> _Stores:
+    return _runtime.current().part(_Stores)
+
+
+def opened_stores() -> list[JobStore]:
+    """The job stores this process has opened in this install (it opens none here)."""
+    return _stores().opened()
 
 
 _FALLBACK_DIR: Path | None = None  # this process's private directory, when the usual one is unfit
@@ -376,7 +401,7 @@ def _make(kind: str, base: Store | None = None) -> JobStore:
             base.append(_PIDS_KEY, f"{os.getpid()},")
         logger.warning("no job-wide store (not under torchrun and no process group yet): "
                        "coordinating downloads inside this node only, through %s", path)
-    lock = _PG_LOCK if kind == "process_group" else threading.RLock()
+    lock = _stores().pg_lock if kind == "process_group" else threading.RLock()
     return JobStore(dist.PrefixStore(f"patchload/{_namespace()}/", base), kind, lock, path)
 
 
@@ -403,15 +428,16 @@ def job_store() -> JobStore:
             within 60 s.
     """
     kind = _kind()
-    with _CACHE_LOCK:
+    stores = _stores()
+    with stores.lock:
         if kind == "process_group":
             import torch.distributed as dist
 
             default = dist.distributed_c10d._get_default_store()
-            if default not in _PG_CACHE:
-                _PG_CACHE[default] = _make(kind, default)
-            return _PG_CACHE[default]
+            if default not in stores.pg_cache:
+                stores.pg_cache[default] = _make(kind, default)
+            return stores.pg_cache[default]
         key = (kind, os.getpid())
-        if key not in _CACHE:
-            _CACHE[key] = _make(kind)
-        return _CACHE[key]
+        if key not in stores.cache:
+            stores.cache[key] = _make(kind)
+        return stores.cache[key]

@@ -46,7 +46,7 @@ import os
 import threading
 from typing import Any, Callable, Final
 
-from .. import _state
+from .. import _runtime, _state
 from .._errors import LeaderFailedError, PatchloadTimeout
 from .._logging import get_logger
 from .._patching import Patch
@@ -108,7 +108,8 @@ class _Draws:
         return fingerprint in (getattr(self._local, "recent", None) or ())
 
 
-_DRAWS: Final = _Draws()
+def _draws() -> _Draws:
+    return _runtime.current().part(_Draws)
 
 
 def _argument(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -140,7 +141,7 @@ def _why_not(wrapped: Callable[..., Any], args: tuple[Any, ...],
 def _why_not_probed(probe: _Probe) -> str | None:
     if probe.cache_file is None:
         return "no cache file (an in-memory dataset)"
-    if probe.random or _DRAWS.drawn(probe.fingerprint):
+    if probe.random or _draws().drawn(probe.fingerprint):
         return ("datasets gave it a random fingerprint (it could not hash the function or an "
                 "argument): it differs per rank")
     return None
@@ -264,7 +265,7 @@ def _random_fingerprint(wrapped: Callable[..., Any], instance: Any, args: tuple[
     probe = _PROBE.get()
     if probe is not None:
         probe.random = True
-    _DRAWS.add(fingerprint)
+    _draws().add(fingerprint)
     return fingerprint
 
 

@@ -37,7 +37,6 @@ copied on write, one INFO line says why. A raw ``data_ptr()`` kept by user code 
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import sys
 import threading
@@ -87,7 +86,6 @@ class MappedModels:
         self._watcher = Loop("patchload-mapped", period_s=_WATCH_S,
                              busy=lambda: bool(self._watched), step=self._watch,
                              lock=self._lock)
-        self._exit_hooked = False
 
     def add(self, model: Any, storages: list[torch.UntypedStorage], prefix: str) -> None:
         """Track ``model``, whose tensors have ``storages`` (one per tensor, each viewing this
@@ -103,9 +101,6 @@ class MappedModels:
         with self._lock:
             self._mapped.append(mapped)
             self._watched.append(mapped)
-            if not self._exit_hooked:
-                atexit.register(self.stop_at_exit)
-                self._exit_hooked = True
             self._watcher.ensure()
 
     def stop_at_exit(self) -> None:

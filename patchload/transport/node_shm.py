@@ -48,6 +48,12 @@ class ShmWeights:
         self.shares = OpenShares()
         self.mapped = MappedModels()
 
+    def close(self) -> None:
+        """End the install's shares (each blob closed once the followers that arrived took it,
+        at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) and stop the mapped-model watcher."""
+        self.shares.release_at_exit()
+        self.mapped.stop_at_exit()
+
     def prepare(self, call: Call, model: torch.nn.Module, state: LoadState) -> None:
         """Leader: see :func:`prepare_arena`."""
         prepare_arena(model, state)

@@ -7,8 +7,9 @@ a follower looks it up here: one that does not know the name loads plainly.
 A new transport is one package implementing :class:`~patchload.transport.base.WeightTransport`
 plus one registry line: an entry point in the group ``patchload.transports`` of the package's
 metadata (``copy = "my_package:CopyWeights"``), or, for one of patchload's own, a function
-that imports and makes it and its line in :data:`_BUILTIN`. Each transport is made once per process, on first use (it holds its own state:
-open blobs, mapped models).
+that imports and makes it and its line in :data:`_BUILTIN`. Each transport is made once per
+install, on first use (it holds its own state: open blobs, mapped models), and closed with the
+install (:class:`patchload._runtime.Runtime`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Callable, Final
 
+from .. import _runtime
 from .._config import TRANSPORT_ENTRY_POINTS, transport_entry_points
 
 if TYPE_CHECKING:
@@ -45,11 +47,14 @@ _SCOPES: Final = ("node", "job")
 
 
 class TransportRegistry:
-    """Name -> transport object, made on first use and kept for the process.
+    """Name -> transport object, made on first use and kept for the install (a part of
+    :class:`patchload._runtime.Runtime`).
 
     Not collective; no I/O but importing a transport's module (and reading the installed
     packages' entry points once, for a name that is not built in).
     """
+
+    CLOSE_PHASE: Final = _runtime.RELEASE_SHARES
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -82,6 +87,17 @@ class TransportRegistry:
             self._made[name] = transport
             return transport
 
+    def close(self) -> None:
+        """End what the transports made keep (a transport's optional ``close()``: the shm
+        transport's open shares, released once the followers took them, and its mapped-model
+        watcher), the transport made last first. Not collective."""
+        with self._lock:
+            made = list(self._made.values())
+        for transport in reversed(made):
+            close = getattr(transport, "close", None)
+            if close is not None:
+                close()
+
     def _plugin_targets(self) -> dict[str, EntryPoint]:
         if self._plugins is None:
             self._plugins = {ep.name: ep for ep in transport_entry_points()}
@@ -100,9 +116,6 @@ def _check(name: str, transport: object) -> None:
                         f"{getattr(transport, 'scope', None)!r} (one of {_SCOPES})")
 
 
-_REGISTRY: Final = TransportRegistry()
-
-
 def transports() -> TransportRegistry:
-    """This process's transport registry."""
-    return _REGISTRY
+    """This install's transport registry."""
+    return _runtime.current().part(TransportRegistry)

@@ -9,14 +9,13 @@ the fd is closed as soon as every follower that arrived at the call is done with
 process is gone), and every rank of the node that has not arrived yet is waited for until
 ``_LATE_S`` seconds after the share; from then on the blob lives only as long as some
 follower's tensors map it. A thread of the leader watches its mappings (no store request
-while they live); at exit the leader waits (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for
+while they live); at exit (and at uninstall) the leader waits (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for
 the followers that arrived, then closes every blob. A rank that reaches the call after its blob
 is closed loads from the cache the leader filled (with a warning).
 """
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,7 +55,6 @@ class OpenShares:
     def __init__(self) -> None:
         self._shares: list[_Share] = []
         self._lock = threading.RLock()
-        self._exit_hooked = False
         self._watcher = Loop("patchload-shares", period_s=_WATCH_S,
                              busy=lambda: bool(self._shares), step=self._watch,
                              lock=self._lock)
@@ -70,9 +68,6 @@ class OpenShares:
 
         share = _Share(call, descriptor, [StorageWeakRef(s) for s in storages])
         with self._lock:
-            if not self._exit_hooked:
-                atexit.register(self.release_at_exit)
-                self._exit_hooked = True
             self._shares.append(share)
             self._watcher.ensure()
 

@@ -36,6 +36,7 @@ from typing import Any, Callable, Final, Mapping, Sequence
 import numpy
 import torch
 
+from patchload import _runtime
 from patchload._logging import get_logger
 from patchload.coordination.identity import node_id
 from patchload.transport.arena import BlobArena, aligned
@@ -65,9 +66,17 @@ _SEALS: Final = _F_SEAL_WRITE | _F_SEAL_SHRINK | _F_SEAL_GROW | _F_SEAL_SEAL
 
 _MAX_IO_BYTES: Final = 1 << 30  # one pwrite/pread call; Linux caps a call near 2 GiB
 
-# Blobs this process published and keeps open for followers: fd -> size in bytes.
-_OPEN_BLOBS: dict[int, int] = {}
-_OPEN_BLOBS_LOCK = threading.Lock()
+class _OpenBlobs:
+    """The blobs this install published and keeps open for followers: fd -> size in bytes
+    (released by their shares, :class:`patchload.transport.shares.OpenShares`)."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+
+def _open_blobs() -> _OpenBlobs:
+    return _runtime.current().part(_OpenBlobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,8 +354,9 @@ def _replacement(region: numpy.ndarray, tensor: torch.Tensor,
 
 
 def _register(fd: int, blob_bytes: int) -> None:
-    with _OPEN_BLOBS_LOCK:
-        _OPEN_BLOBS[fd] = blob_bytes
+    blobs = _open_blobs()
+    with blobs.lock:
+        blobs.sizes[fd] = blob_bytes
 
 
 def attach(descriptor: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -433,8 +443,9 @@ def release(descriptor: Mapping[str, Any]) -> None:
     fd = descriptor.get("fd")
     if fd is None or descriptor.get("pid") != os.getpid():
         return
-    with _OPEN_BLOBS_LOCK:
-        if _OPEN_BLOBS.pop(int(fd), None) is None:
+    blobs = _open_blobs()
+    with blobs.lock:
+        if blobs.sizes.pop(int(fd), None) is None:
             return
     os.close(int(fd))
     logger.debug("released shared blob fd %d", fd)

@@ -48,7 +48,7 @@ class StoreRecorder:
         patchload``, before its first coordinated call)."""
         from patchload.coordination import store
 
-        if store._CACHE or len(store._PG_CACHE):
+        if store.opened_stores():
             raise RuntimeError("a job store was made before the recorder was installed")
         make = store._make
 
