@@ -302,18 +302,21 @@ def test_two_nodes_load_once_per_cache_and_map_once_per_node(
     """On two nodes ``load_dataset`` asks the hub once per cache (rank 0 alone where the nodes
     share one ``HF_HOME``, each node's rank 0 with a node-local one) and the map's function
     runs on each node's rank 0 only (a map is node-scoped: docs/datasets.md; with a shared
-    ``HF_HOME`` node 1's rank 0 may find node 0's cache file); every rank's dataset equals its
-    plain one."""
+    ``HF_HOME`` the node leader that comes second may find the other's cache file, whichever
+    node's it is); every rank's dataset equals its plain one."""
     plain, patched = node_jobs[layout, "plain"], node_jobs[layout, "patched"]
     for rank in range(4):
         want, got = _record(plain, rank, "tokenize"), _record(patched, rank, "tokenize")
         assert want.get("ok") and got.get("ok"), (rank, want.get("error"), got.get("error"))
         assert got["value"] == want["value"], (layout, rank)
     calls = [_record(patched, r, "tokenize")["calls"] for r in range(4)]
-    assert calls[1] == calls[3] == 0 and calls[0] == TRAIN_ROWS, calls
+    assert calls[1] == calls[3] == 0, calls
     if layout == "node-local":
-        assert calls[2] == TRAIN_ROWS, calls
-    else:  # node 1's leader loads node 0's cache file where it is written by then, as plain
-        assert calls[2] in (0, TRAIN_ROWS), calls
+        assert calls[0] == calls[2] == TRAIN_ROWS, calls
+    else:
+        # A node leader loads the other node's cache file where it is written by then, as a
+        # plain rank does: which node maps first is timing (CI saw node 1's first: [0, 0, 40, 0]).
+        assert calls[0] in (0, TRAIN_ROWS) and calls[2] in (0, TRAIN_ROWS), calls
+        assert TRAIN_ROWS in (calls[0], calls[2]), calls
     assert {r.rank for r in patched.window("load")} == senders
     assert {r.rank for r in plain.window("load")} == {0, 1, 2, 3}
