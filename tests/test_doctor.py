@@ -80,6 +80,19 @@ def test_no_launcher_full_report_with_every_patch(tmp_path):
             f"diffusers.models.modeling_utils is imported{diffusers}") in lines
 
 
+def test_the_logging_set_up_is_reported(tmp_path):
+    """The doctor says where patchload's lines go: by default to the application's handlers
+    (stderr where it sets none), at WARNING; with ``PATCHLOAD_LOG_LEVEL`` to a handler of its
+    own that the root logger does not print again."""
+    assert ("logging: the patchload logger at WARNING, no handler of its own: its lines go to "
+            "the application's handlers, or to stderr where it configures none; "
+            "PATCHLOAD_LOG_LEVEL=INFO adds one line per rank for each top-level call"
+            ) in _doctor(tmp_path)
+    assert ("logging: the patchload logger at INFO, to a handler of its own on stderr "
+            "(PATCHLOAD_LOG_LEVEL), not passed on to the root logger: each line prints once"
+            ) in _doctor(tmp_path, PATCHLOAD_LOG_LEVEL="INFO")
+
+
 def test_disabled_says_off_and_lists_nothing(tmp_path):
     lines = _doctor(tmp_path, PATCHLOAD="0", PATCHLOAD_TIMEOUT="abc")
     assert lines[:5] == [

@@ -35,6 +35,8 @@ ALLOWED: Final[dict[str, str]] = {
                                         "is unfit: one per process, removed at exit",
     "coordination/store._FALLBACK_LOCK": "guards _FALLBACK_DIR",
     "coordination/identity._identity": "kernel and node id, keyed by pid (lru_cache)",
+    "coordination/key._signature": "the signatures of the patched functions (lru_cache): facts "
+                                   "of the code, the same for every install",
     "coordination/replay.HISTORY": "mirrors huggingface_hub's own process-wide caches "
                                    "(HfFileSystem's), which an uninstall does not clear: a "
                                    "leader after a reinstall still answers from them",
