@@ -25,6 +25,7 @@ store in the order it made them.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Final
@@ -59,11 +60,22 @@ class DeferredWrites:
         self._running = False  # a write is under way (taken off the queue, not done)
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        """In a child forked from this process (a DataLoader worker): the parent makes what was
+        queued, and the parent's thread is not here (its lock may even be held): start afresh,
+        without taking that lock."""
+        if self._pid != os.getpid():
+            self._cond = threading.Condition()
+            self._queue = collections.deque()
+            self._running, self._thread, self._pid = False, None, os.getpid()
 
     def add(self, store: JobStore, write: Callable[[Store], None], what: str) -> None:
         """Run ``write(client)`` soon, after every write added before it, with a client of
         ``store``. Never waits; never raises (``write``'s exception is logged at DEBUG: its
         keys stay unwritten, as for a store that fails). After :meth:`close`, runs it here."""
+        self._forked()
         with self._cond:
             if not self._closed:
                 self._queue.append((store, write, what))
@@ -79,6 +91,7 @@ class DeferredWrites:
         """Wait until every write added so far is made, at most ``timeout_s`` seconds (None:
         no bound; each write is bounded by the store's own timeout). Returns whether it is.
         A no-op (no lock taken) when nothing is pending."""
+        self._forked()
         if not self._queue and not self._running:
             return True
         if self._thread is threading.current_thread():
