@@ -148,7 +148,7 @@ def closed_port_job(hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory) 
     between its retries a tenth of its default, as in ``errors_job``)."""
     root = tmp_path_factory.mktemp("closed-port")
     env = job_env(f"http://127.0.0.1:{free_port()}", root / "hf", root / "out",
-                  PLT_HUB_BACKOFF_BASE_S="0.1")
+                  PLT_HUB_WAIT_SCALE="0.1")
     return run_torchrun(hub, "errors", ["--steps", "closed_port_model"], nproc=3, env=env,
                         timeout_s=JOB_TIMEOUT_S).check_ok()
 
@@ -352,7 +352,7 @@ def test_leader_error_reaches_every_rank(step: str, request: pytest.FixtureReque
     errors = check_same_error_everywhere(job, step)
     assert {e["type"] for e in errors.values()} == {EXPECTED_CLASS[step]}
     # Bounded, not a speed figure: huggingface_hub retries a 500 or a closed port with backoff
-    # (about 23 s a file by default, 2.3 s in these jobs: PLT_HUB_BACKOFF_BASE_S; and with peft
+    # (about 23 s a file by default, 2.3 s in these jobs: PLT_HUB_WAIT_SCALE; and with peft
     # installed transformers also looks up adapter_config.json); the bound leaves room for a
     # loaded machine. Followers still raise within 10 s of the leader (checked above).
     limit_s = 10.0 if step in FAST_FAILURES else 120.0

@@ -8,9 +8,9 @@ Faults are attached to the repo ids by the test's hub (all ranks alike: follower
 network anyway). ``closed_port_model`` expects the job's ``HF_ENDPOINT`` to name a port nobody
 listens on.
 
-``PLT_HUB_BACKOFF_BASE_S``: huggingface_hub's retry backoff starts at this many seconds instead
-of 1 (and is capped at 8 times it instead of 8 s): the same retries, the same requests, shorter
-sleeps between them (a 500 or a closed port costs 23 s a file by default, all of it asleep).
+``PLT_HUB_WAIT_SCALE``: huggingface_hub's sleeps between its retries scaled (see
+``_common.shorten_hub_waits``): a 500 or a closed port costs 23 s a file by default, all of it
+asleep.
 """
 
 from __future__ import annotations
@@ -36,11 +36,7 @@ def body(report: dict) -> None:
     import transformers
     from huggingface_hub import hf_hub_download
 
-    if base := os.environ.get("PLT_HUB_BACKOFF_BASE_S"):
-        from huggingface_hub.utils import _http
-
-        for fn in (_http.http_backoff, _http.http_stream_backoff.__wrapped__):  # type: ignore
-            fn.__kwdefaults__.update(base_wait_time=float(base), max_wait_time=8 * float(base))
+    _common.shorten_hub_waits()
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
