@@ -192,7 +192,8 @@ def _interrupt_job(hub: LoopbackHub, folder: Path, root: Path, *, target: int, k
             time.sleep(1.0)  # into the wait that follows the line
         sent = time.time()
         os.kill(procs[target].pid, _SIGNALS[kind])
-        job = wait_ranks(hub, procs, logs, t0, timeout_s=180)
+        # No request of the job is read: no wait for the interrupted leader's stalled one.
+        job = wait_ranks(hub, procs, logs, t0, timeout_s=180, settle_s=0.0)
     finally:
         del store
     raised = job.ranks.get(target, {}).get("raised")
