@@ -122,10 +122,12 @@ def shorten_hub_waits() -> None:
     from huggingface_hub.utils import _http
 
     scale = float(raw)
-    for fn in (_http.http_backoff, _http.http_stream_backoff.__wrapped__):  # type: ignore
-        defaults = fn.__kwdefaults__
-        defaults["base_wait_time"] = scale * 1
-        defaults["max_wait_time"] = scale * 8
+    # http_stream_backoff (huggingface_hub 1.x; absent from 0.x) is a contextmanager around
+    # the function whose defaults count.
+    for name in ("http_backoff", "http_stream_backoff"):
+        fn = getattr(getattr(_http, name, None), "__wrapped__", getattr(_http, name, None))
+        if fn is not None:
+            fn.__kwdefaults__.update(base_wait_time=scale * 1, max_wait_time=scale * 8)
     real = file_download.time
     shim = types.ModuleType("time")
     shim.__dict__.update(vars(real))
