@@ -183,8 +183,8 @@ def simulated_nodes(hosts: str, count: int, envs: Sequence[dict[str, str]], *, l
                           hostnames=hostnames)
 
 
-def _requests_since(hub: LoopbackHub, t0: float) -> list[Request]:
-    return [r for r in hub.requests(settle_s=3.0) if r.time >= t0]
+def _requests_since(hub: LoopbackHub, t0: float, settle_s: float = 3.0) -> list[Request]:
+    return [r for r in hub.requests(settle_s=settle_s) if r.time >= t0]
 
 
 def torchrun_cmd(worker: str, args: Iterable[str], *, nproc: int, port: int, nnodes: int = 1,
@@ -276,12 +276,16 @@ def start_ranks(worker: str, args: Iterable[str], *, world_size: int, store_port
 
 
 def wait_ranks(hub: LoopbackHub, procs: Sequence[subprocess.Popen], logs: Sequence[Path],
-               t0: float, timeout_s: float) -> Job:
-    """Join plain ranks started by :func:`start_ranks` (killing leftovers at the deadline)."""
+               t0: float, timeout_s: float, *, settle_s: float = 3.0) -> Job:
+    """Join plain ranks started by :func:`start_ranks` (killing leftovers at the deadline).
+    ``settle_s``: the longest wait for the hub's requests still in flight to be recorded (0
+    for a caller that reads none of the job's requests, where a request a killed rank left
+    stalled would hold it the whole time)."""
     start = time.monotonic()
     returncodes, outputs = _wait_all(procs, logs, start + timeout_s)
     return Job(returncodes, outputs, time.monotonic() - start,
-               _read_reports(Path(logs[0]).parent), _requests_since(hub, t0), Path(logs[0]).parent)
+               _read_reports(Path(logs[0]).parent), _requests_since(hub, t0, settle_s),
+               Path(logs[0]).parent)
 
 
 def gets_per_file(requests: Iterable[Request]) -> collections.Counter[tuple[str, str]]:

@@ -165,7 +165,9 @@ def reference(reference_job: Job) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def errors_job(hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory) -> Job:
     """N=3: calls whose leader meets 404, 401, 500, a corrupt or a truncated checkpoint
-    (``tests/workers/errors.py``), one after another."""
+    (``tests/workers/errors.py``), one after another. huggingface_hub's backoff between its
+    retries of the 500 is a tenth of its default (``PLT_HUB_WAIT_SCALE``): the same retries
+    and requests, 2.3 s asleep per file instead of 23 s."""
     root = tmp_path_factory.mktemp("errors")
-    env = job_env(hub.endpoint, root / "hf", root / "out")
+    env = job_env(hub.endpoint, root / "hf", root / "out", PLT_HUB_WAIT_SCALE="0.1")
     return run_torchrun(hub, "errors", [], nproc=3, env=env, timeout_s=240).check_ok()

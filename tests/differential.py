@@ -32,6 +32,7 @@ working directories for each run) and put it in a group of ``tests/test_differen
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import datetime
 import enum
@@ -175,10 +176,18 @@ class Group:
     """Every run (plain and patched alike) runs while one busy-looping process per core
     (``os.cpu_count()``, at this process's priority) competes with the ranks: see
     :func:`busy_cores`."""
+    concurrent_plain: bool = False
+    """The plain run and the (one) patched variant's run go at the same time, the plain one
+    against a loopback hub of its own that serves the repos the group's scenarios serve (the
+    same files: the same ETags and commit shas; the endpoint is normalised away in every record),
+    so each run's request log is its own. For a group whose runs are mostly asleep (rank0-late:
+    40 s of rank 0's own work in each), so that the two sleeps overlap."""
 
     def __post_init__(self) -> None:
         assert not (self.hosts and self.nodes), "simulated hosts or nodes, not both"
         assert self.homes in (("per-host",) if self.hosts else ("shared", "per-rank")), self.homes
+        assert not self.concurrent_plain or (len(self.variants) == 1 and not self.hosts
+                                             and not self.busy_cores), self.name
         for scenario in self.scenarios[:-1]:
             assert not scenario.requests_to_end, f"{scenario.name} must be last in {self.name}"
 
@@ -222,6 +231,22 @@ def copy_cache(template: Path, home: Path) -> None:
     shutil.copytree(template, home, symlinks=True, dirs_exist_ok=True)
 
 
+class _ServedRepos:
+    """A hub, as a scenario's ``setup`` uses it, that notes every ``add_repo`` call (its
+    arguments), for :attr:`Group.concurrent_plain`'s second hub."""
+
+    def __init__(self, hub: LoopbackHub) -> None:
+        self._hub = hub
+        self.added: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def add_repo(self, *args: Any, **kwargs: Any) -> Any:
+        self.added.append((args, kwargs))
+        return self._hub.add_repo(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._hub, name)
+
+
 class Harness:
     """Runs groups (each side once, cached) for one module, on one hub."""
 
@@ -231,19 +256,27 @@ class Harness:
         self.assets = root / "assets"
         self.groups = {g.name: g for g in groups}
         self._sides: dict[tuple[str, str], Job | BaseException] = {}
+        self._served: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
         ctx = SetupContext(hub, self.assets, root)
         for group in self.groups.values():
+            recorder = _ServedRepos(hub) if group.concurrent_plain else None
             for scenario in group.scenarios:
                 if scenario.setup is not None:
-                    scenario.setup(ctx)
+                    scenario.setup(ctx if recorder is None else SetupContext(
+                        recorder, self.assets, root))  # type: ignore[arg-type]
+            if recorder is not None:
+                self._served[group.name] = recorder.added
 
     def side(self, group_name: str, side: str) -> Job:
         """The finished job of ``side`` (``"plain"``, ``"plain-again"`` or a variant's name) of
         a group, run on first use; a job that failed to run fails every later call too."""
         key = (group_name, side)
+        group = self.groups[group_name]
+        if key not in self._sides and group.concurrent_plain and side != "plain-again":
+            self._run_plain_alongside(group)
         if key not in self._sides:
             try:
-                self._sides[key] = self._run(self.groups[group_name], side)
+                self._sides[key] = self._run(group, side)
             except BaseException as exc:  # noqa: BLE001 - cached: one timeout, not one per test
                 self._sides[key] = exc
         result = self._sides[key]
@@ -251,7 +284,24 @@ class Harness:
             raise AssertionError(f"{group_name} {side}: the job did not run: {result}")
         return result
 
-    def _run(self, group: Group, side: str) -> Job:
+    def _run_plain_alongside(self, group: Group) -> None:
+        """Run ``group``'s plain side and its patched variant at once (``Group.concurrent_plain``),
+        the plain one against a hub of its own serving the same repos."""
+        (variant,) = group.variants
+        with LoopbackHub(log_path=self.root / group.name / "plain-hub-requests.jsonl") as own:
+            for args, kwargs in self._served[group.name]:
+                own.add_repo(*args, **kwargs)
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                futures = {"plain": pool.submit(self._run, group, "plain", own),
+                           variant: pool.submit(self._run, group, variant, self.hub)}
+            for side, future in futures.items():
+                try:
+                    self._sides[group.name, side] = future.result()
+                except BaseException as exc:  # noqa: BLE001 - as in side()
+                    self._sides[group.name, side] = exc
+
+    def _run(self, group: Group, side: str, hub: LoopbackHub | None = None) -> Job:
+        hub = hub or self.hub
         run_root = self.root / group.name / side
         if side in ("plain", "plain-again"):
             extra = {"PATCHLOAD": "0"}
@@ -262,8 +312,8 @@ class Harness:
         if group.homes == "per-rank":
             for rank, home in homes.items():
                 per_rank[rank]["env"]["HF_HOME"] = str(home)
-        self.hub.clear_faults()
-        ctx = RunContext(self.hub, run_root, self.assets, group.world_size, homes, per_rank)
+        hub.clear_faults()
+        ctx = RunContext(hub, run_root, self.assets, group.world_size, homes, per_rank)
         for scenario in group.scenarios:
             if scenario.per_run is not None:
                 scenario.per_run(ctx)
@@ -272,17 +322,17 @@ class Harness:
                 "steps": [s for scenario in group.scenarios for s in scenario.plan_steps()]}
         if group.process_group:
             plan["process_group"] = "gloo"
-        env = job_env(self.hub.endpoint, homes[0], run_root / "out", **COMMON_ENV, **extra)
+        env = job_env(hub.endpoint, homes[0], run_root / "out", **COMMON_ENV, **extra)
         with busy_cores() if group.busy_cores else contextlib.nullcontext():
-            job = self._launch(group, run_root, plan, env, homes)
+            job = self._launch(group, run_root, plan, env, homes, hub)
         job.extra["side"] = side
         return job
 
     def _launch(self, group: Group, run_root: Path, plan: dict[str, Any], env: dict[str, str],
-                homes: dict[int, Path]) -> Job:
+                homes: dict[int, Path], hub: LoopbackHub) -> Job:
         if group.hosts:
             return self._run_hosts(group, run_root, plan, env, homes)
-        return run_torchrun(self.hub, "differential", [str(_write_plan(run_root, plan))],
+        return run_torchrun(hub, "differential", [str(_write_plan(run_root, plan))],
                             nproc=group.nproc, env=env, timeout_s=JOB_TIMEOUT_S,
                             nnodes=max(1, group.nodes),
                             hosts="namespaced" if group.nodes else "shared-kernel")

@@ -804,7 +804,7 @@ BUSY_SENTENCE = Scenario(
 
 GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
-    Group("rank0-late", (LATE_RANK0, RANK1_ALONE), process_group=True),
+    Group("rank0-late", (LATE_RANK0, RANK1_ALONE), process_group=True, concurrent_plain=True),
     Group("per-rank-tokens", (PER_RANK_TOKENS, TOKENS_COLD),
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),

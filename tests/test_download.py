@@ -144,9 +144,11 @@ def two_nodes_shared_home(request: pytest.FixtureRequest, hub: LoopbackHub,
 
 @pytest.fixture(scope="module")
 def closed_port_job(hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """N=3 with ``HF_ENDPOINT`` naming a port nobody listens on."""
+    """N=3 with ``HF_ENDPOINT`` naming a port nobody listens on (huggingface_hub's backoff
+    between its retries a tenth of its default, as in ``errors_job``)."""
     root = tmp_path_factory.mktemp("closed-port")
-    env = job_env(f"http://127.0.0.1:{free_port()}", root / "hf", root / "out")
+    env = job_env(f"http://127.0.0.1:{free_port()}", root / "hf", root / "out",
+                  PLT_HUB_WAIT_SCALE="0.1")
     return run_torchrun(hub, "errors", ["--steps", "closed_port_model"], nproc=3, env=env,
                         timeout_s=JOB_TIMEOUT_S).check_ok()
 
@@ -350,9 +352,9 @@ def test_leader_error_reaches_every_rank(step: str, request: pytest.FixtureReque
     errors = check_same_error_everywhere(job, step)
     assert {e["type"] for e in errors.values()} == {EXPECTED_CLASS[step]}
     # Bounded, not a speed figure: huggingface_hub retries a 500 or a closed port with backoff
-    # (about 23 s a file, and with peft installed transformers also looks up
-    # adapter_config.json); the bound leaves room for a loaded machine. Followers still raise
-    # within 10 s of the leader (checked above).
+    # (about 23 s a file by default, 2.3 s in these jobs: PLT_HUB_WAIT_SCALE; and with peft
+    # installed transformers also looks up adapter_config.json); the bound leaves room for a
+    # loaded machine. Followers still raise within 10 s of the leader (checked above).
     limit_s = 10.0 if step in FAST_FAILURES else 120.0
     assert max(e["elapsed_s"] for e in errors.values()) < limit_s, errors
     # Followers never touch the network: the leaders alone made the step's requests (a rank

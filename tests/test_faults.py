@@ -57,6 +57,10 @@ PATCHLOAD_SRC = Path(__file__).resolve().parents[1] / "patchload"
 
 HEARTBEAT_S = 1.0
 STALLED_DOWNLOAD_TIMEOUT_S = 1  # HF_HUB_DOWNLOAD_TIMEOUT in hub_job
+# hub_job: huggingface_hub's pauses between its retries (1 s before resuming a broken download;
+# its 1-8 s backoff) scaled by this (tests/workers/_common.py: shorten_hub_waits): the same
+# retries and requests, less time asleep.
+HUB_WAIT_SCALE = 0.1
 KILL_JOB_TIMEOUT_S = 4.0  # PATCHLOAD_TIMEOUT in kill_job
 
 
@@ -80,7 +84,10 @@ def fault_hub(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
         Fault(repo_id="f/abort-once", abort_after_bytes=30_000, times=1, **get_model),
         Fault(repo_id="f/reset", abort_after_bytes=30_000, times=1, **get_model),
         Fault(repo_id="f/reset", abort_after_bytes=0, **get_model),
-        Fault(repo_id="f/stall", stall_s=120, **get_model),
+        # Each attempt's body stalls 10 s, well past HF_HUB_DOWNLOAD_TIMEOUT (1 s): the client
+        # gives up on every one; the hub's handler of each is done 10 s later (it was 120 s:
+        # the later jobs on this hub then waited out their request-log settle on them).
+        Fault(repo_id="f/stall", stall_s=10, **get_model),
         Fault(repo_id="f/slow", throttle_bytes_per_s=14_000, **get_model),  # ~8 s
         Fault(repo_id="f/kill-follower", throttle_bytes_per_s=50_000, **get_model),  # ~2 s
         Fault(repo_id="f/pg-timeout", throttle_bytes_per_s=10_000, **get_model),  # ~11 s
@@ -129,7 +136,8 @@ def hub_job(fault_hub: Any, folders: dict[str, Path], tmp_path_factory: pytest.T
     ]
     job = F.run_plan_torchrun(fault_hub, folders, steps, root=root, nproc=3, timeout_s=150,
                               PATCHLOAD_TIMEOUT="60", PATCHLOAD_HEARTBEAT=str(HEARTBEAT_S),
-                              HF_HUB_DOWNLOAD_TIMEOUT=str(STALLED_DOWNLOAD_TIMEOUT_S))
+                              HF_HUB_DOWNLOAD_TIMEOUT=str(STALLED_DOWNLOAD_TIMEOUT_S),
+                              PLT_HUB_WAIT_SCALE=str(HUB_WAIT_SCALE))
     job.check_ok()
     return job, stale
 
@@ -371,7 +379,8 @@ def test_connection_reset_once_mid_body_is_resumed(hub_job: tuple[Job, Any]) -> 
 @pytest.mark.timeout(240)
 def test_connection_reset_for_good_fails_every_rank(hub_job: tuple[Job, Any]) -> None:
     job, _ = hub_job
-    # huggingface_hub retries 5 times, 1 s apart; followers learn the outcome at once.
+    # huggingface_hub retries 5 times, 1 s apart (0.1 s here: HUB_WAIT_SCALE); followers learn
+    # the outcome at once.
     errors = assert_same_failure(job, "reset", [0, 1, 2], leader=0, within_s=20,
                                  cause="RemoteProtocolError")
     assert_only_leader_requested(job, "f/reset", attempt_leaders(errors))
@@ -380,7 +389,7 @@ def test_connection_reset_for_good_fails_every_rank(hub_job: tuple[Job, Any]) ->
 @pytest.mark.timeout(240)
 def test_body_stalled_past_the_download_timeout(hub_job: tuple[Job, Any]) -> None:
     job, _ = hub_job
-    # 6 attempts of (1 s read timeout + 1 s pause) instead of the 120 s stall.
+    # 6 attempts of (1 s read timeout + 1 s pause, 0.1 s here) instead of the 10 s stall each.
     errors = assert_same_failure(job, "stall", [0, 1, 2], leader=0, within_s=30,
                                  cause="Timeout")
     assert_only_leader_requested(job, "f/stall", attempt_leaders(errors))

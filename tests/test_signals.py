@@ -93,7 +93,10 @@ def test_a_call_rank0_never_makes_costs_at_most_the_grace(hub: LoopbackHub,
 # --- interrupts ---------------------------------------------------------------------------------
 
 _SIGNALS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
-_STALL_S = 20.0  # the leader's download of the weights: the signal lands inside it
+# The leader's download of the weights: the signal lands inside it (about 1 s in, here). A test
+# fails unless the signal went at least 1 s before the earliest stall's end, counted from when
+# this process saw the stall begin (a poll, 0.05 s, after it did).
+_STALL_S = 10.0
 
 
 @pytest.mark.timeout(60)
@@ -144,8 +147,9 @@ def _interrupt_job(hub: LoopbackHub, folder: Path, root: Path, *, target: int, k
     of the weights is stalled (rank 0 leads, when patched; plain, each rank has a cache of its
     own, so rank 0 makes that request whatever the others do): once the hub has stalled it and,
     for a follower, once that follower waits for rank 0 (plain: once its own download is
-    stalled too). Returns the return codes, the reports, and ``latency_s``: from the signal to
-    the target's raise."""
+    stalled too). Returns the return codes, the reports, ``latency_s``: from the signal to
+    the target's raise, and ``stall_left_s``: the least any stalled download still had to go
+    when the signal was sent (each stall's start taken as when this process saw it hit)."""
     import torch.distributed as dist
 
     repo = f"sig/int-{target}-{kind}"  # a plain job's and its patched jobs' (name_or_path)
@@ -167,8 +171,13 @@ def _interrupt_job(hub: LoopbackHub, folder: Path, root: Path, *, target: int, k
     try:
         deadline = time.monotonic() + 180
 
+        seen: dict[int, float] = {}  # fault index: when its hit was first seen
+
         def ready() -> bool:
-            if not all(hub.fault_hits(f) for f in faults):
+            for i, fault in enumerate(faults):
+                if i not in seen and hub.fault_hits(fault):
+                    seen[i] = time.time()
+            if len(seen) < len(faults):
                 return False
             if target == 0 or not patched:
                 return True
@@ -183,12 +192,14 @@ def _interrupt_job(hub: LoopbackHub, folder: Path, root: Path, *, target: int, k
             time.sleep(1.0)  # into the wait that follows the line
         sent = time.time()
         os.kill(procs[target].pid, _SIGNALS[kind])
-        job = wait_ranks(hub, procs, logs, t0, timeout_s=180)
+        # No request of the job is read: no wait for the interrupted leader's stalled one.
+        job = wait_ranks(hub, procs, logs, t0, timeout_s=180, settle_s=0.0)
     finally:
         del store
     raised = job.ranks.get(target, {}).get("raised")
     return {"returncodes": job.returncodes, "ranks": job.ranks, "job": job,
-            "latency_s": None if raised is None else raised["t_raised"] - sent}
+            "latency_s": None if raised is None else raised["t_raised"] - sent,
+            "stall_left_s": min(seen.values()) + _STALL_S - sent}
 
 
 def _ending(report: dict[str, Any]) -> Any:
@@ -221,7 +232,11 @@ def test_an_interrupted_rank_ends_as_plain_and_the_others_too(
                              patched=True, transport=transport)
     print(f"{kind} on rank {target} ({transport}): raised {patched['latency_s']} s after the "
           f"signal (plain: {plain['latency_s']} s); return codes {patched['returncodes']} "
-          f"(plain: {plain['returncodes']})")
+          f"(plain: {plain['returncodes']}); stall left when signalled "
+          f"{patched['stall_left_s']:.1f} s (plain: {plain['stall_left_s']:.1f} s)")
+    # The signal landed inside the stalled download(s), in both runs.
+    for run in (plain, patched):
+        assert run["stall_left_s"] > 1.0, (run["stall_left_s"], run["job"].describe())
     expected_rc = 3 if kind == "sigterm" else -signal.SIGINT
     assert plain["returncodes"][target] == expected_rc, plain["job"].describe()
     assert patched["returncodes"] == plain["returncodes"], patched["job"].describe()

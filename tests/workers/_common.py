@@ -107,6 +107,34 @@ def main(body: Callable[[dict[str, Any]], None], *, skip_finalization: bool = Fa
         os._exit(0)
 
 
+def shorten_hub_waits() -> None:
+    """``PLT_HUB_WAIT_SCALE`` (e.g. ``0.1``): huggingface_hub's sleeps between its own retries
+    scaled by it: the backoff of ``http_backoff`` (1, 2, 4, 8, 8 s for a 500 or a refused
+    connection) and the 1 s pause before ``http_get`` resumes a broken download. The same
+    retries, the same requests, less time asleep. Call after importing huggingface_hub (the
+    rank's ``HF_HUB_USER_AGENT_ORIGIN`` set); no-op when the variable is unset."""
+    raw = os.environ.get("PLT_HUB_WAIT_SCALE")
+    if not raw:
+        return
+    import types
+
+    from huggingface_hub import file_download
+    from huggingface_hub.utils import _http
+
+    scale = float(raw)
+    # http_stream_backoff (huggingface_hub 1.x; absent from 0.x) is a contextmanager around
+    # the function whose defaults count.
+    for name in ("http_backoff", "http_stream_backoff"):
+        fn = getattr(getattr(_http, name, None), "__wrapped__", getattr(_http, name, None))
+        if fn is not None:
+            fn.__kwdefaults__.update(base_wait_time=scale * 1, max_wait_time=scale * 8)
+    real = file_download.time
+    shim = types.ModuleType("time")
+    shim.__dict__.update(vars(real))
+    shim.sleep = lambda seconds: real.sleep(seconds * scale)  # type: ignore[attr-defined]
+    file_download.time = shim  # type: ignore[attr-defined]
+
+
 # --- synchronisation between steps (not patchload's: a test-only prefix in the agent store) -----
 
 class Barrier:

@@ -7,6 +7,10 @@ exception's class, bases, message, leader rank, elapsed seconds and the wall tim
 Faults are attached to the repo ids by the test's hub (all ranks alike: followers never reach the
 network anyway). ``closed_port_model`` expects the job's ``HF_ENDPOINT`` to name a port nobody
 listens on.
+
+``PLT_HUB_WAIT_SCALE``: huggingface_hub's sleeps between its retries scaled (see
+``_common.shorten_hub_waits``): a 500 or a closed port costs 23 s a file by default, all of it
+asleep.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ def body(report: dict) -> None:
     import patchload  # noqa: F401
     import transformers
     from huggingface_hub import hf_hub_download
+
+    _common.shorten_hub_waits()
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()

@@ -45,6 +45,9 @@ each step is a dict:
 * ``kill_in_broadcast``: ``{"rank": r, "bucket": b}``: rank r SIGKILLs itself just before bucket
   b of a collective broadcast (the leader while sending, a follower while receiving).
 
+``PLT_HUB_WAIT_SCALE`` (the job's environment): huggingface_hub's sleeps between its retries
+scaled (``_common.shorten_hub_waits``).
+
 Every rank writes ``$PLT_OUT/rank-<RANK>.json`` after each step: per step, ``ok`` and a weight
 check (every tensor of the checkpoint compared with the model, bitwise, after the same dtype
 conversion) or the error (class, bases, message, leader rank); ``elapsed_s`` (call to return)
@@ -90,6 +93,7 @@ from patchload import _state  # noqa: E402
 from patchload._config import load_config  # noqa: E402
 
 transformers.logging.set_verbosity_error()
+_common.shorten_hub_waits()  # PLT_HUB_WAIT_SCALE, where the job sets it
 
 
 class Sync:
