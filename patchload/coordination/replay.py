@@ -357,7 +357,9 @@ def _send(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
 def _record_body(response: Any, key: str, record: list[dict[str, Any]] | Record,
                  max_bytes: int) -> None:
     """Record streamed ``response`` (its body as its reader reads it) once read to the end, if
-    its body is at most ``max_bytes`` bytes and sent as it is (see :func:`recording_bodies`)."""
+    its body is at most ``max_bytes`` bytes and sent as it is (see :func:`recording_bodies`); a
+    response already read (an answer replayed to a node leader that follows the job's leader)
+    is recorded at once, for that node's followers."""
     headers = response.headers
     if headers.get("content-encoding", "identity").strip().lower() != "identity":
         return
@@ -370,6 +372,10 @@ def _record_body(response: Any, key: str, record: list[dict[str, Any]] | Record,
                        "headers": [list(item) for item in headers.multi_items()],
                        "content": base64.b64encode(body).decode("ascii"), "body": True})
 
+    if response.is_stream_consumed:  # an answer replayed to a node leader: its body is here
+        if len(response.content) <= max_bytes:
+            done(response.content)
+        return
     package = sys.modules[type(response).__module__.partition(".")[0]]
     response.stream = _recorded_stream(package.SyncByteStream)(response.stream, max_bytes, done)
 
