@@ -56,7 +56,8 @@ _VARIABLES: Final = ("PATCHLOAD", "PATCHLOAD_DOWNLOAD_SCOPE", "PATCHLOAD_BROADCA
                      "PATCHLOAD_TRANSPORT", "PATCHLOAD_TIMEOUT", "PATCHLOAD_HEARTBEAT",
                      "PATCHLOAD_CLAIM_GRACE", "PATCHLOAD_EXIT_WAIT", "PATCHLOAD_ARRIVAL_WINDOW",
                      "PATCHLOAD_GROUP_TIMEOUT", "PATCHLOAD_PROGRESS_WARNING",
-                     "PATCHLOAD_SCOPE_WAIT", "PATCHLOAD_BUCKET_MB", "PATCHLOAD_LOG_LEVEL")
+                     "PATCHLOAD_SCOPE_WAIT", "PATCHLOAD_BUCKET_MB", "PATCHLOAD_FS_READ_MB",
+                     "PATCHLOAD_LOG_LEVEL")
 _PREFIX: Final = "PATCHLOAD_"
 _SUFFIXES: Final = tuple(name[len(_PREFIX):] for name in _VARIABLES if name.startswith(_PREFIX))
 # Read by patchload's own tools, not by the library: never reported as unknown.
@@ -130,6 +131,11 @@ class Config:
     scope is decided without waiting for any rank (see ``patchload.coordination.scope``)."""
     bucket_bytes: int = 256 * 2**20
     """``PATCHLOAD_BUCKET_MB`` (in MiB, stored here in bytes): collective broadcast bucket size."""
+    fs_read_bytes: int = 4 * 2**20
+    """``PATCHLOAD_FS_READ_MB`` (in MiB, stored here in bytes): the largest file body a user's
+    ``HfFileSystem`` read (``open(...).read()``, ``cat_file``, ``read_text``...) shares: the
+    leader publishes a body up to this size with the call's record and its followers get it
+    from there; a larger file is read by every rank from the hub, as plain."""
     log_level: str | None = None
     """``PATCHLOAD_LOG_LEVEL``: level of the ``patchload`` logger (a ``logging`` level name);
     None when unset: WARNING, and no handler of patchload's own (see :mod:`patchload._logging`)."""
@@ -295,5 +301,6 @@ def _read(env: Mapping[str, str] | None = None) -> Config:
         progress_warning_s=_bound(env, "PATCHLOAD_PROGRESS_WARNING", 60.0),
         scope_wait_s=_seconds(env, "PATCHLOAD_SCOPE_WAIT", 60.0),
         bucket_bytes=_bytes_of_mib(env, "PATCHLOAD_BUCKET_MB", 256.0),
+        fs_read_bytes=_bytes_of_mib(env, "PATCHLOAD_FS_READ_MB", 4.0),
         log_level=_log_level(env, "PATCHLOAD_LOG_LEVEL"),
     )

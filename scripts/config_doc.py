@@ -60,7 +60,7 @@ def table() -> str:
         if unit:
             text = f"({unit}) {text}"
         default = field.default
-        if name == "PATCHLOAD_BUCKET_MB":
+        if name in ("PATCHLOAD_BUCKET_MB", "PATCHLOAD_FS_READ_MB"):
             default = f"{int(default) // 2**20}"  # MiB, as the variable takes it
         text = re.sub(r"``([^`]+)``", r"`\1`", text).replace("|", "\\|")
         rows.append(f"| `{name}` | `{field.name}` | {text} | {_default(default)} |")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import sys
 from pathlib import Path
 from typing import Any, Final
@@ -767,22 +768,54 @@ HF_FS = Scenario(
         _fs("find-dirs", "find", kwargs={"withdirs": True}),
     ), Requests.ONE_PER_CACHE, setup=_fs_setup)
 
-# Reading a file: not coordinated (HfFileSystemFile.read streams the body, which a leader never
-# records), so every rank makes the file's requests itself, as plain (TOTAL); the bytes equal.
+# Reading a file: each read is one coordinated call (patchload.patches.hub_api): the leader
+# records the revision resolution, the listings and the file's body (up to PATCHLOAD_FS_READ_MB),
+# its followers get the same bytes (or text) from its record and make no request. A range read
+# is recorded as it is (its Range header is part of the request's key).
 HF_FS_READS = Scenario(
     "hf-fs-reads", (
         _fs("cat-file", "cat_file", "rp/fs/config.json"),
         _fs("read", "open", "rp/fs/tokenizer.json", read=True),
-    ), Requests.TOTAL)
+        _fs("read-text-mode", "open", "rp/fs/tokenizer.json", read=True, mode="r"),
+        _fs("read-text", "read_text", "rp/fs/config.json"),
+        _fs("read-bytes", "read_bytes", "rp/fs/extra/notes.txt"),
+        _fs("cat", "cat", "rp/fs/extra/notes.txt"),
+        _fs("cat-file-range", "cat_file", "rp/fs/tokenizer.json",
+            kwargs={"start": 10, "end": 200}),
+        _fs("read-at-revision", "cat_file", "rp/fs@main/config.json"),
+    ), Requests.ONE_PER_CACHE)
+
+
+def _fs_large_setup(ctx: SetupContext) -> None:
+    """rp/fs-large: one file a byte larger than the default ``PATCHLOAD_FS_READ_MB`` (4 MiB)."""
+    folder = ctx.assets / "rp--fs-large"
+    folder.mkdir()
+    (folder / "large.bin").write_bytes(random.Random(61).randbytes(4 * 2**20 + 1))
+    ctx.hub.add_repo("rp/fs-large", folder)
+
+
+# Reads that are not shared: a body over the bound (each rank reads it from the hub; the rest of
+# the call, its listings, still comes from the leader's record), and a file read in parts
+# (``read(n)``: fsspec's buffered range requests, made by every rank as plain). TOTAL: the bytes
+# equal plain's, and no more requests in all.
+HF_FS_READS_UNSHARED = Scenario(
+    "hf-fs-reads-unshared", (
+        _fs("cat-file-large", "cat_file", "rp/fs-large/large.bin"),
+        _fs("read-large", "open", "rp/fs-large/large.bin", read=True),
+        _fs("read-parts", "open", "rp/fs/tokenizer.json", read=True, read_sizes=[10, 100, -1]),
+    ), Requests.TOTAL, setup=_fs_large_setup)
 
 # HfFileSystem calls that fail: every rank raises the plain class, FileNotFoundError. A
-# listing's error is rank 0's on the ranks that follow it (a rank that comes after its attempt
-# failed makes one of its own: TOTAL, as HUB_API_ERRORS); opening a file is not coordinated.
+# call's error is rank 0's on the ranks that follow it (a rank that comes after its attempt
+# failed makes one of its own: TOTAL, as HUB_API_ERRORS).
 HF_FS_ERRORS = Scenario(
     "hf-fs-errors", (
         _fs("ls-missing-repo", "ls", "rp/no-such-repo"),
         _fs("info-missing-file", "info", "rp/fs/no-such-file.json"),
         _fs("read-missing-file", "open", "rp/fs/no-such-file.json", read=True),
+        _fs("cat-file-missing-file", "cat_file", "rp/fs/no-such-file.json"),
+        _fs("cat-file-missing-repo", "cat_file", "rp/no-such-repo/config.json"),
+        _fs("read-text-missing-revision", "read_text", "rp/fs@no-such-revision/config.json"),
     ), Requests.TOTAL)
 
 # --- under contention (issue 31) ------------------------------------------------------------------
@@ -809,7 +842,7 @@ GROUPS = (
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS, HF_FS, HF_FS_READS,
-                     HF_FS_ERRORS), nproc=4),
+                     HF_FS_READS_UNSHARED, HF_FS_ERRORS), nproc=4),
     Group("two-hosts", (SRUN_SPAWN, RANK0_FIRST_HOSTS), homes="per-host", nproc=2, hosts=2,
           variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("two-nodes", (RANK0_FIRST_SHARED,), homes="shared", nproc=2, nodes=2,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import logging
 import os
@@ -9,6 +11,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -185,7 +188,7 @@ def test_unknown_variable_warns_once_with_the_closest_name(caplog, monkeypatch):
         "PATCHLOAD_DOWNLOAD_SCOPE, PATCHLOAD_BROADCAST, PATCHLOAD_TRANSPORT, PATCHLOAD_TIMEOUT, "
         "PATCHLOAD_HEARTBEAT, PATCHLOAD_CLAIM_GRACE, PATCHLOAD_EXIT_WAIT, "
         "PATCHLOAD_ARRIVAL_WINDOW, PATCHLOAD_GROUP_TIMEOUT, PATCHLOAD_PROGRESS_WARNING, "
-        "PATCHLOAD_SCOPE_WAIT, PATCHLOAD_BUCKET_MB, PATCHLOAD_LOG_LEVEL)"]
+        "PATCHLOAD_SCOPE_WAIT, PATCHLOAD_BUCKET_MB, PATCHLOAD_FS_READ_MB, PATCHLOAD_LOG_LEVEL)"]
 
 
 def test_unknown_variable_is_reported_at_import():
@@ -1209,3 +1212,52 @@ def test_a_leaders_transport_error_is_rebuilt_of_its_class_or_not_at_all() -> No
     assert isinstance(rebuilt_error(recorded(KeyError("k")), "GET x", ("httpx",)), ReplayMiss)
     unbuildable = {"module": "json", "qualname": "JSONDecodeError", "message": "m"}
     assert isinstance(rebuilt_error(unbuildable, "GET x", ("json",)), ReplayMiss)
+
+
+def test_a_streamed_body_is_recorded_whole_within_its_bound_or_not_at_all() -> None:
+    """Inside ``recording_bodies`` a leader records a streamed body (an ``HfFileSystem`` read)
+    once read to its end and at most the bound, as the reader got it; a body over the bound, one
+    read in part, or any stream outside that block is not recorded (a follower's same request
+    then goes to the hub, as plain). A ``Range`` header is part of the request's key."""
+    from patchload.coordination import replay
+
+    try:  # huggingface_hub 2's client; 1.x's is httpx
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+
+    send = getattr(httpx.Client.send, "__wrapped__", httpx.Client.send)  # unpatched: _send alone
+    chunks = [bytes(range(256)) * 4, b"tail" * 100]
+    body = b"".join(chunks)
+    client = httpx.Client(transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, content=iter(chunks))))
+
+    def streamed(max_bytes: int | None, whole: bool = True,
+                 headers: dict[str, str] | None = None) -> tuple[bytes, list[dict[str, Any]]]:
+        record: list[dict[str, Any]] = []
+        request = client.build_request("GET", "http://hub.test/r/resolve/main/f",
+                                       headers=headers or {})
+        bodies = replay.recording_bodies(max_bytes) if max_bytes is not None \
+            else contextlib.nullcontext()
+        with replay.recording(record), bodies:
+            response = replay._send(lambda *a, **k: send(client, *a, **k), client, (request,),
+                                    {"stream": True})
+        got = b"".join(response.iter_bytes()) if whole else next(response.iter_bytes())
+        response.close()
+        return got, record
+
+    got, record = streamed(len(body))
+    assert got == body and len(record) == 1 and record[0]["body"] is True
+    assert base64.b64decode(record[0]["content"]) == body and record[0]["status"] == 200
+    assert record[0]["key"].startswith("GET http://hub.test/r/resolve/main/f ")
+    assert streamed(len(body) - 1) == (body, [])  # over the bound
+    assert streamed(None) == (body, [])  # outside recording_bodies: a download's stream
+    assert streamed(len(body), whole=False)[1] == []  # read in part
+    _, ranged = streamed(len(body), headers={"Range": "bytes=10-"})
+    assert ranged[0]["key"].endswith(" range=bytes=10-")
+    assert " range=" not in record[0]["key"]
+    # A node leader following the job's leader: the answer replayed to it, recorded as given.
+    replayed = httpx.Response(200, content=body, request=client.build_request("GET", "http://x"))
+    again: list[dict[str, Any]] = []
+    replay._record_body(replayed, "GET http://x -", again, len(body))
+    assert base64.b64decode(again[0]["content"]) == body

@@ -3,8 +3,11 @@
 huggingface_hub (>= 1) sends every request through an ``httpx`` client (``httpx2`` for 2.x):
 ``Client.send`` is patched here. Inside a leader's call that records (:func:`recording`), each
 non-streamed exchange (API calls, HEAD/metadata requests; not a file body, which a follower finds
-in the cache the leader filled) is recorded: the request (method, URL, body digest) and the
-response (status, headers, body), or the transport error. Inside a follower's call that replays
+in the cache the leader filled) is recorded: the request (method, URL, ``Range``, body digest)
+and the response (status, headers, body), or the transport error. Inside a block of
+:func:`recording_bodies` (a user's file read through ``HfFileSystem``, whose body lands in no
+cache), a streamed response is recorded too, once the leader has read its body to the end, where
+that body is at most the block's bound. Inside a follower's call that replays
 (:func:`replaying`), each request is answered from its leader's record (:class:`Replay`).
 Elsewhere the patch passes every request straight through.
 
@@ -28,7 +31,8 @@ from .._patching import Patch
 
 __all__ = ["History", "HISTORY", "LeaderAnswers", "Record", "Replay", "ReplayMiss",
            "answer_key", "current_replay", "http_patches", "rebuilt_error", "recordable",
-           "recording", "is_answer", "recording_active", "replaying", "request_key"]
+           "recording", "recording_bodies", "is_answer", "recording_active", "replaying",
+           "request_key"]
 
 logger = get_logger(__name__)
 
@@ -47,6 +51,9 @@ _ANSWER_PREFIX: Final = "http:"
 # The leader's call: the exchanges recorded so far (None: not recording).
 _RECORDING: contextvars.ContextVar[list[dict[str, Any]] | Record | None] = contextvars.ContextVar(
     "patchload_recording", default=None)
+# The largest streamed body recorded, in bytes (None: streamed bodies are not recorded).
+_BODIES_MAX_BYTES: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "patchload_bodies_max_bytes", default=None)
 # A follower's rerun: the leader's record it answers from (None: not replaying).
 _REPLAY: contextvars.ContextVar[Replay | LeaderAnswers | None] = contextvars.ContextVar(
     "patchload_replay", default=None)
@@ -58,13 +65,22 @@ class ReplayMiss(BaseException):
 
 
 def request_key(request: Any) -> str:
-    """``<METHOD> <url> <body sha1>``: what a follower's request must equal to get the
-    leader's answer (headers differ per rank: the user agent names the rank)."""
+    """``<METHOD> <url> <body sha1>``, and `` range=<Range header>`` where the request has one
+    (a read from an offset): what a follower's request must equal to get the leader's answer
+    (other headers differ per rank: the user agent names the rank)."""
     try:
         body = hashlib.sha1(request.content).hexdigest()
     except Exception:  # noqa: BLE001 - a streaming body (an upload): never replayed
         body = "stream"
-    return f"{request.method} {request.url} {body}"
+    key = f"{request.method} {request.url} {body}"
+    byte_range = request.headers.get("range")
+    return key if byte_range is None else f"{key} range={byte_range.replace(' ', '')}"
+
+
+def _shown(key: str) -> str:
+    """A :func:`request_key` without its body digest, for a log line."""
+    method, url, _rest = key.split(" ", 2)
+    return f"{method} {url}"
 
 
 def _error_entry(err: BaseException) -> dict[str, str]:
@@ -86,8 +102,11 @@ class History:
         self._max_bytes = max_bytes
 
     def add(self, entries: list[dict[str, Any]]) -> None:
+        """Keep ``entries`` (a call's record), except a file's body (no cache holds one)."""
         with self._lock:
             for entry in entries:
+                if entry.get("body"):
+                    continue
                 old = self._entries.pop(entry["key"], None)
                 self._bytes += _entry_bytes(entry) - (_entry_bytes(old) if old else 0)
                 self._entries[entry["key"]] = entry
@@ -135,7 +154,7 @@ class Replay:
         entry = queue.popleft() if queue else self._last.get(key)
         if entry is None:
             self.missed = key
-            raise ReplayMiss(f"the leader made no request {key.rsplit(' ', 1)[0]}")
+            raise ReplayMiss(f"the leader made no request {_shown(key)}")
         self._last[key] = entry
         self.answered += 1
         return _response(entry, request, key)
@@ -156,7 +175,8 @@ class Record(list):  # type: ignore[type-arg]
     """A coordinated call's leader's record: each exchange appended (by :func:`_send`, from any
     thread of the call) is handed to ``added`` with its :func:`answer_key` at once, so that a
     model load's followers, which start at once, get it while the leader goes on. An answer
-    whose body is larger than :data:`_MAX_ANSWER_BYTES` is not handed on."""
+    whose body is larger than :data:`_MAX_ANSWER_BYTES` is not handed on, except a streamed
+    body (``"body": True``), which :func:`recording_bodies`' own bound limits already."""
 
     def __init__(self, added: Callable[[str, dict[str, Any]], None]) -> None:
         super().__init__()
@@ -169,7 +189,7 @@ class Record(list):  # type: ignore[type-arg]
             occurrence = self._counts[entry["key"]]
             self._counts[entry["key"]] += 1
             super().append(entry)
-        if len(entry.get("content", "")) <= _MAX_ANSWER_BYTES:
+        if entry.get("body") or len(entry.get("content", "")) <= _MAX_ANSWER_BYTES:
             self._added(answer_key(entry["key"], occurrence), entry)
 
 
@@ -209,14 +229,14 @@ class LeaderAnswers:
         entry = self._lookup(name)
         if entry is None:
             logger.debug("%s: waiting for the leader's answer to %s (#%d)", self._what,
-                         key.rsplit(" ", 1)[0], occurrence)
+                         _shown(key), occurrence)
             self._wait(name)
             entry = self._lookup(name)
         if entry is None:
             with self._lock:
                 self.unrecorded += 1
             logger.debug("%s: the leader made no request %s (#%d): sent to the hub", self._what,
-                         key.rsplit(" ", 1)[0], occurrence)
+                         _shown(key), occurrence)
             return send()
         with self._lock:
             self.answered += 1
@@ -270,6 +290,24 @@ def recording(record: list[dict[str, Any]] | Record | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def recording_bodies(max_bytes: int) -> Iterator[None]:
+    """Inside the block, a leader that records also records each streamed response (a file's
+    body) that it reads to the end, where the body (as sent: no ``Content-Encoding``) is at most
+    ``max_bytes`` bytes; a larger one, one read in part, one whose stream fails or one sent
+    encoded is not recorded, and a follower's same request goes to the hub, as plain. The
+    leader's own read is unchanged: the chunks are kept as they pass.
+
+    Args:
+        max_bytes: the largest body recorded, in bytes.
+    """
+    token = _BODIES_MAX_BYTES.set(max_bytes)
+    try:
+        yield
+    finally:
+        _BODIES_MAX_BYTES.reset(token)
+
+
+@contextlib.contextmanager
 def replaying(replay: Replay | LeaderAnswers | None) -> Iterator[None]:
     """Answer the block's HTTP requests from ``replay`` (None: pass them through)."""
     token = _REPLAY.set(replay)
@@ -311,7 +349,67 @@ def _send(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
         record.append({"key": key, "status": response.status_code,
                        "headers": [list(item) for item in response.headers.multi_items()],
                        "content": base64.b64encode(response.content).decode("ascii")})
+    elif _BODIES_MAX_BYTES.get() is not None:
+        _record_body(response, key, record, _BODIES_MAX_BYTES.get())
     return response
+
+
+def _record_body(response: Any, key: str, record: list[dict[str, Any]] | Record,
+                 max_bytes: int) -> None:
+    """Record streamed ``response`` (its body as its reader reads it) once read to the end, if
+    its body is at most ``max_bytes`` bytes and sent as it is (see :func:`recording_bodies`); a
+    response already read (an answer replayed to a node leader that follows the job's leader)
+    is recorded at once, for that node's followers."""
+    headers = response.headers
+    if headers.get("content-encoding", "identity").strip().lower() != "identity":
+        return
+    length = headers.get("content-length")
+    if length is not None and (not length.strip().isdigit() or int(length) > max_bytes):
+        return
+
+    def done(body: bytes) -> None:
+        record.append({"key": key, "status": response.status_code,
+                       "headers": [list(item) for item in headers.multi_items()],
+                       "content": base64.b64encode(body).decode("ascii"), "body": True})
+
+    if response.is_stream_consumed:  # an answer replayed to a node leader: its body is here
+        if len(response.content) <= max_bytes:
+            done(response.content)
+        return
+    package = sys.modules[type(response).__module__.partition(".")[0]]
+    response.stream = _recorded_stream(package.SyncByteStream)(response.stream, max_bytes, done)
+
+
+def _recorded_stream(base: type) -> type:
+    """A ``SyncByteStream`` subclass of the client library's (``base``: a response's stream
+    must be one) that passes a stream's chunks on and hands the whole body to ``done`` once
+    read to the end, if at most ``max_bytes`` bytes. Built per response (no cache: no state
+    outside the runtime)."""
+
+    class RecordedStream(base):  # type: ignore[misc, valid-type]
+        def __init__(self, stream: Any, max_bytes: int, done: Callable[[bytes], None]) -> None:
+            self._stream = stream
+            self._max_bytes = max_bytes
+            self._done = done
+
+        def __iter__(self) -> Iterator[bytes]:
+            chunks: list[bytes] | None = []
+            size = 0
+            for chunk in self._stream:
+                if chunks is not None:
+                    size += len(chunk)
+                    if size <= self._max_bytes:
+                        chunks.append(chunk)
+                    else:
+                        chunks = None
+                yield chunk
+            if chunks is not None:
+                self._done(b"".join(chunks))
+
+        def close(self) -> None:
+            self._stream.close()
+
+    return RecordedStream
 
 
 def recordable() -> bool:

@@ -17,9 +17,20 @@ calls (:data:`FS_METHODS`: ``ls``, ``info``, ``exists``, ``glob``, ``find``): th
 calls the file system makes inside (``repo_info``, ``list_repo_tree``, ``get_paths_info``) are
 part of that call's record. Each rank's instance keeps its own caches (``dircache``, the repos it
 found): a follower's rerun asks only what its own caches lack, and a request its leader never
-made (its leader's caches answered it) goes to the hub, as plain. Reading a file
-(``open(...).read()``, ``cat_file``) is not coordinated: ``HfFileSystemFile.read`` streams the
-file's body, which is never recorded, so every rank makes the file's requests itself.
+made (its leader's caches answered it) goes to the hub, as plain.
+
+Reading a file is coordinated too (:data:`FS_READ_METHODS`: ``open`` in a read mode,
+``cat_file``, ``cat``, ``read_bytes``, ``read_text``, each one call; and the read of a whole file
+that user code makes on an ``HfFileSystemFile`` it opened, ``open(...).read()``, a call of its
+own keyed by the file's path and revision). Inside these calls the leader also records the
+file's body it streams (:func:`patchload.coordination.replay.recording_bodies`), where the body
+is at most ``Config.fs_read_bytes`` (``PATCHLOAD_FS_READ_MB``, 4 MiB by default); a follower's
+rerun gets the same bytes (and the same revision resolution, listings and errors) from the
+record. A larger body, one the leader read only in part, and any request the record does not
+hold (a range read at another offset, an answer the leader's caches gave) go to the hub, as
+plain, and count in the follower's INFO line. A file object's partial reads (``read(n)``, a
+read after ``seek``) and a streaming handle's reads (``block_size=0``) are not coordinated:
+every rank makes their requests, as plain.
 
 Made as plain, by every rank:
 
@@ -55,7 +66,7 @@ from typing import Any, Callable, Final, Iterator
 from .._patching import Patch
 from ..coordination.call import Hooks, coordinated, coordinates_here, current_mode
 
-__all__ = ["FS_METHODS", "METHODS", "hub_api_patches"]
+__all__ = ["FS_METHODS", "FS_READ_METHODS", "METHODS", "hub_api_patches"]
 
 # HfApi's read-only metadata methods, each also a module-level function of huggingface_hub.
 METHODS: Final = ("model_info", "dataset_info", "space_info", "repo_info", "repo_exists",
@@ -63,6 +74,11 @@ METHODS: Final = ("model_info", "dataset_info", "space_info", "repo_info", "repo
                   "list_repo_refs", "list_repo_commits", "get_paths_info")
 # HfFileSystem's listing methods (each a call of its own; the HfApi calls inside are its record).
 FS_METHODS: Final = ("ls", "info", "exists", "glob", "find")
+# HfFileSystem's methods that read files (each a call of its own; the HfApi calls and the file
+# bodies, up to Config.fs_read_bytes, inside are its record). ``open`` only in a read mode.
+FS_READ_METHODS: Final = ("open", "cat_file", "cat", "read_bytes", "read_text")
+# The read modes of ``open`` (a write or an append is never coordinated).
+_READ_MODES: Final = ("rb", "r", "rt")
 # The coordinated call's name of an HfFileSystem method: under ``HfApi.``, so that it counts in
 # the metadata calls' sequence (coordination.call._METADATA_PREFIX).
 _FS_CALL_PREFIX: Final = "HfApi.HfFileSystem."
@@ -169,20 +185,71 @@ def _fs_path(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return kwargs["path"] if "path" in kwargs else (args[0] if args else None)
 
 
-def _fs_method(name: str) -> Callable[..., Any]:
+def _fs_mode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``HfFileSystem.open``'s ``mode`` (fsspec's default: ``rb``)."""
+    return kwargs["mode"] if "mode" in kwargs else (args[1] if len(args) > 1 else "rb")
+
+
+def _with_bodies(wrapped: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrapped``, with the file bodies its requests stream recorded by a leader, up to
+    ``Config.fs_read_bytes`` bytes each (:func:`patchload.coordination.replay.recording_bodies`)."""
+    from .. import _state
+    from ..coordination import replay
+
+    @functools.wraps(wrapped)  # the signature the call's key binds the arguments to
+    def read(*args: Any, **kwargs: Any) -> Any:
+        with replay.recording_bodies(_state.config().fs_read_bytes):
+            return wrapped(*args, **kwargs)
+
+    return read
+
+
+def _fs_method(name: str, *, reads: bool = False) -> Callable[..., Any]:
     """The wrapper of ``HfFileSystem.<name>``: user code's call coordinated as one metadata
     call, its file system's ``HfApi`` requests recorded by the leader and replayed to followers
-    (see the module docstring)."""
+    (see the module docstring). ``reads``: a method of :data:`FS_READ_METHODS`, whose file
+    bodies are recorded too; ``open`` is coordinated in a read mode only."""
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
         if (not coordinates_here() or _called_by_the_hub_client(_FS_CLIENTS)
-                or not _replays() or not _fs_shareable(instance)):
+                or not _replays() or not _fs_shareable(instance)
+                or (name == "open" and _fs_mode(args, kwargs) not in _READ_MODES)):
             return wrapped(*args, **kwargs)
-        return coordinated(f"{_FS_CALL_PREFIX}{name}", _read_to_end(wrapped), args, kwargs,
+        function = _with_bodies(wrapped) if reads else _read_to_end(wrapped)
+        return coordinated(f"{_FS_CALL_PREFIX}{name}", function, args, kwargs,
                            Hooks(f"HfFileSystem.{name}({_fs_path(args, kwargs)!r})",
                                  offline_kwarg=False))
 
     return wrapper
+
+
+def _whole_read(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``HfFileSystemFile.read(*args, **kwargs)`` reads the whole file from its start
+    in binary mode (huggingface_hub's one-request path), the one read that is coordinated."""
+    length = kwargs["length"] if "length" in kwargs else (args[0] if args else -1)
+    return ((length is None or (isinstance(length, int) and length == -1))
+            and getattr(instance, "mode", None) == "rb" and getattr(instance, "loc", None) == 0
+            and not getattr(instance, "closed", True))
+
+
+def _file_read(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+    """The wrapper of ``HfFileSystemFile.read``: user code's read of a whole file (an
+    ``open(...).read()``) coordinated as one call keyed by the file's path (its repo, revision
+    and name), its body recorded by the leader up to ``Config.fs_read_bytes`` (see the module
+    docstring). Any other read (a length, after a seek, in a write mode), or a read made by
+    huggingface_hub, fsspec or datasets, is made as plain."""
+    if (not coordinates_here() or _called_by_the_hub_client(_FS_CLIENTS) or not _replays()
+            or not _fs_shareable(getattr(instance, "fs", None))
+            or not _whole_read(instance, args, kwargs)):
+        return wrapped(*args, **kwargs)
+    read = _with_bodies(wrapped)
+
+    def read_file(path: str) -> Any:  # the call's key: the file's path (with its revision)
+        return read(*args, **kwargs)
+
+    return coordinated(f"{_FS_CALL_PREFIX}HfFileSystemFile.read", read_file, (instance.path,), {},
+                       Hooks(f"HfFileSystemFile.read({instance.path!r})", offline_kwarg=False))
 
 
 def _replays() -> bool:
@@ -193,7 +260,8 @@ def _replays() -> bool:
 
 def hub_api_patches() -> list[Patch]:
     """The patches of :data:`METHODS`, on ``HfApi`` and on the module-level functions (with
-    their aliases elsewhere), and of :data:`FS_METHODS` on ``HfFileSystem``. Landed when
+    their aliases elsewhere), of :data:`FS_METHODS` and :data:`FS_READ_METHODS` on
+    ``HfFileSystem``, and of ``HfFileSystemFile.read``. Landed when
     ``huggingface_hub.hf_api`` (``hf_file_system``) is imported; a method this huggingface_hub
     lacks is skipped at install."""
     patches = []
@@ -205,4 +273,8 @@ def hub_api_patches() -> list[Patch]:
     for name in FS_METHODS:
         patches.append(Patch("huggingface_hub.hf_file_system", f"HfFileSystem.{name}",
                              _fs_method(name)))
+    for name in FS_READ_METHODS:
+        patches.append(Patch("huggingface_hub.hf_file_system", f"HfFileSystem.{name}",
+                             _fs_method(name, reads=True)))
+    patches.append(Patch("huggingface_hub.hf_file_system", "HfFileSystemFile.read", _file_read))
     return patches

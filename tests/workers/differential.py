@@ -32,7 +32,9 @@ A step (every key but ``name`` and ``op`` is optional):
   ``HfApi(**api)``); its result's ``repr`` recorded (a generator's items, read in the op).
 * ``hf_fs``: ``HfFileSystem(skip_instance_cache=True).<method>(path, *args, **kwargs)`` (a fresh
   instance per step: no listing or instance cached by an earlier step); ``read: true`` opens
-  ``path`` and reads it to the end instead. Its result rendered without times (:func:`fs_view`).
+  ``path`` (in ``mode``, default ``rb``) and reads it to the end instead, or (``read_sizes``)
+  reads each of those sizes in turn (``-1``: the rest). Its result rendered without times
+  (:func:`fs_view`).
 * ``repo``: repo id or path (``"./ckpt"`` resolves against the rank's working directory);
   ``cls``: the transformers class for ``model`` (default ``AutoModelForCausalLM``);
   ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``).
@@ -443,10 +445,14 @@ def fs_view(result: Any) -> Any:
     dict as its name, size and type; names sorted; bytes as their length and sha256."""
     if isinstance(result, bytes):
         return {"bytes": len(result), "sha256": hashlib.sha256(result).hexdigest()}
+    if isinstance(result, str):
+        return {"str": len(result), "sha256": hashlib.sha256(result.encode()).hexdigest()}
     if isinstance(result, dict) and "name" in result:
         return {key: result.get(key) for key in ("name", "size", "type")}
     if isinstance(result, dict):
         return {name: fs_view(entry) for name, entry in sorted(result.items())}
+    if isinstance(result, list) and result and all(isinstance(item, bytes) for item in result):
+        return [fs_view(item) for item in result]  # successive reads: their order counts
     if isinstance(result, list):
         return sorted((fs_view(item) for item in result), key=lambda v: json.dumps(v))
     return result
@@ -457,8 +463,11 @@ def op_hf_fs(step: dict[str, Any]) -> dict[str, Any]:
 
     fs = HfFileSystem(skip_instance_cache=True)
     if step.get("read"):
-        with fs.open(step["path"], "rb") as file:
-            result: Any = file.read()
+        with fs.open(step["path"], step.get("mode", "rb")) as file:
+            if "read_sizes" in step:  # partial reads, then the rest
+                result: Any = [file.read(size) for size in step["read_sizes"]]
+            else:
+                result = file.read()
     else:
         result = getattr(fs, step["method"])(step["path"], *step.get("args", []),
                                              **_kwargs(step))
