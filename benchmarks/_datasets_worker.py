@@ -7,6 +7,7 @@ its memory baseline and clears the hub's request log in between), ``load_dataset
 every rank has loaded (so the map is timed from a common start), map the train split, print
 ``RESULT {json}``, then wait for every rank's ``done-RANK`` before exiting (so every rank's
 mappings stay alive while the others still work: the node's peak is the whole job's).
+With ``BENCH_DS_PER_RANK_HOME=1`` (``--layout per-rank``) each rank uses ``$HF_HOME/rank-RANK``.
 
 Times in the RESULT are ``time.time()`` seconds. ``map_calls`` is how many times this rank's
 process called the map function (one line per batch in ``$BENCH_DS_CALLS_FILE``).
@@ -20,10 +21,15 @@ import os
 import time
 from pathlib import Path
 
-import datasets
+# --layout per-rank: each rank its own HF_HOME under the run's (before huggingface_hub and
+# datasets read it at import).
+if os.environ.get("BENCH_DS_PER_RANK_HOME") == "1":
+    os.environ["HF_HOME"] = os.path.join(os.environ["HF_HOME"], f"rank-{os.environ['RANK']}")
 
-import patchload  # noqa: F401  - PATCHLOAD=0 turns it off
-from _sync import touch, wait_for  # benchmarks/: the script's own folder
+import datasets  # noqa: E402
+
+import patchload  # noqa: F401,E402  - PATCHLOAD=0 turns it off
+from _sync import touch, wait_for  # noqa: E402  - benchmarks/: the script's own folder
 
 
 def tokenize(batch: dict) -> dict:

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_datasets.py                     # ~200 MB parquet, 4 ranks
     .venv/bin/python benchmarks/bench_datasets.py --mb 20 --nproc 2   # quick check
     .venv/bin/python benchmarks/bench_datasets.py --cache warm        # the warm cache alone
+    .venv/bin/python benchmarks/bench_datasets.py --layout per-rank   # each rank its own HF_HOME
 
 A dataset repo of parquet shards (random lowercase words in a ``text`` column, with ``id`` and
 ``label`` int64 columns; ``--mb`` MB of text in all, seed 0, made once under
@@ -18,6 +19,12 @@ measured; the hub's request log is cleared at the measured release), so the meas
 find the prepared Arrow files and the map's cache file. Plain and patched runs are
 interleaved (per round: cold plain, cold patched, warm plain, warm patched), ``--runs``
 rounds (1); medians.
+
+``--layout`` (default ``shared``): ``per-rank`` gives each rank its own ``HF_HOME``
+(``HF_HOME``/rank-N, all made empty before the run; the warm-up then launches ``--nproc`` plain
+ranks, one filling each). Plain ranks then each download and prepare the dataset; so do
+patchload's ranks: ranks whose caches differ never share a call (each would otherwise read
+another cache than its own), so every rank is its own leader.
 
 Figures (a markdown table per cache, the same figures in each; the ratio is patchload / plain,
 of the totals over ranks where a figure is per rank):
@@ -38,7 +45,7 @@ of the totals over ranks where a figure is per rank):
   over the map alone (first ``map`` start to last return), both from the same baseline; a
   window that holds no sample (a warm map takes about 20 ms) counts the last one before it.
 * same as plain: every rank's loaded train split and mapped dataset have the fingerprint, row
-  count and sha256 of three rows of rank 0 in the first plain run on the same cache.
+  count and sha256 of three rows of the same rank in the first plain run on the same cache.
 """
 
 from __future__ import annotations
@@ -93,7 +100,7 @@ def parquet_repo(folder: Path, *, mb: float, shards: int = 4, seed: int = 0) -> 
 
 
 def _launch(label: str, repo_id: str, nproc: int, *, patchload_on: bool, hub: Any,
-            hf_home: Path, folder: Path, log_dir: Path, timeout_s: float
+            hf_home: Path, folder: Path, log_dir: Path, timeout_s: float, per_rank: bool = False
             ) -> tuple[measure.Run, dict[int, dict[str, Any]], dict[str, float]] | None:
     """One torchrun launch of the worker on ``hf_home``, released by a file barrier in
     ``folder``/sync: the run, each rank's RESULT (by rank) and the release marks; None if it
@@ -102,7 +109,8 @@ def _launch(label: str, repo_id: str, nproc: int, *, patchload_on: bool, hub: An
     sync.mkdir(parents=True)
     env = measure.run_env(endpoint=hub.endpoint, hf_home=hf_home, measure_dir=folder / "measure",
                           patchload_on=patchload_on,
-                          extra={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
+                          extra={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+                                 "BENCH_DS_PER_RANK_HOME": "1" if per_rank else "0"})
     marks: dict[str, float] = {}
     release = measure.release_when_imported(sync, nproc, hub, marks)
     run = measure.torchrun(label, WORKER, ["--dataset", repo_id, "--sync-dir", str(sync)],
@@ -119,19 +127,21 @@ def _launch(label: str, repo_id: str, nproc: int, *, patchload_on: bool, hub: An
 
 
 def one(mode: str, cache: str, label: str, repo_id: str, nproc: int, *, hub: Any, work: Path,
-        sampler: measure.MemorySampler, timeout_s: float) -> dict[str, Any] | None:
+        sampler: measure.MemorySampler, timeout_s: float, per_rank: bool = False
+        ) -> dict[str, Any] | None:
     """One measured torchrun launch on ``HF_HOME`` = ``work``/hf (one path for both modes, so
     that nothing a path decides differs), made empty first; for a ``"warm"`` cache, a plain
     launch of the worker on one rank fills it right before (not measured). Its figures, or None
     if a launch failed."""
     shutil.rmtree(work, ignore_errors=True)
-    if cache == "warm" and _launch(f"{label} warm-up", repo_id, 1, patchload_on=False, hub=hub,
-                                   hf_home=work / "hf", folder=work / "warm-up",
-                                   log_dir=work.parent, timeout_s=timeout_s) is None:
+    if cache == "warm" and _launch(f"{label} warm-up", repo_id, nproc if per_rank else 1,
+                                   patchload_on=False, hub=hub, hf_home=work / "hf",
+                                   folder=work / "warm-up", log_dir=work.parent,
+                                   timeout_s=timeout_s, per_rank=per_rank) is None:
         return None
     launched = _launch(label, repo_id, nproc, patchload_on=mode == "patchload", hub=hub,
                        hf_home=work / "hf", folder=work, log_dir=work.parent,
-                       timeout_s=timeout_s)
+                       timeout_s=timeout_s, per_rank=per_rank)
     if launched is None:
         return None
     run, results, marks = launched
@@ -182,8 +192,8 @@ def _table(runs: dict[str, list[dict[str, Any]]]) -> tuple[str, bool]:
     def med(mode: str, key: str, f: Any = lambda v: v) -> float:
         return statistics.median(f(r[key]) for r in runs[mode])
 
-    reference = runs["plain"][0]["content"][0]
-    same = {m: all(c == reference for r in runs[m] for c in r["content"]) for m in MODES}
+    reference = runs["plain"][0]["content"]  # rank by rank
+    same = {m: all(r["content"] == reference for r in runs[m]) for m in MODES}
     last = {m: runs[m][-1] for m in MODES}  # per-rank figures: the last run's
     rows = []
     for what, key, shown, total in [
@@ -214,6 +224,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--cache", choices=("cold", "warm", "both"), default="both",
                         help="the HF_HOME a measured run starts on (both: a table for each)")
+    parser.add_argument("--layout", choices=("shared", "per-rank"), default="shared",
+                        help="one HF_HOME for the run's ranks, or one per rank")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     parser.add_argument("--out", type=Path, default=measure.REPO_ROOT / "demo-out")
     args = parser.parse_args()
@@ -224,8 +236,8 @@ def main() -> int:
     files = sorted((folder / "data").glob("*.parquet"))
     size = sum(f.stat().st_size for f in files)
     repo_id = f"bench/{name}"
-    print(f"{repo_id}: {len(files)} parquet files, {size / 1e6:.1f} MB; {args.nproc} ranks",
-          flush=True)
+    print(f"{repo_id}: {len(files)} parquet files, {size / 1e6:.1f} MB; {args.nproc} ranks, "
+          f"{args.layout} HF_HOME", flush=True)
     work = out / "bench-datasets"
     caches = CACHES if args.cache == "both" else (args.cache,)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {m: [] for m in MODES} for c in caches}
@@ -237,7 +249,7 @@ def main() -> int:
                 for mode in MODES:
                     figures = one(mode, cache, f"{mode} {cache} run {i + 1}", repo_id,
                                   args.nproc, hub=hub, work=work / "run", sampler=sampler,
-                                  timeout_s=args.timeout)
+                                  timeout_s=args.timeout, per_rank=args.layout == "per-rank")
                     failed |= figures is None
                     if figures is not None:
                         runs[cache][mode].append(figures)
@@ -250,7 +262,7 @@ def main() -> int:
         failed |= not same
         rows = runs[cache]["plain"][0]["content"][0][0]["num_rows"]
         print(f"\n{repo_id} ({size / 1e6:.0f} MB parquet, {rows} rows), {args.nproc} ranks, "
-              f"{cache} cache, medians of {args.runs} run(s); per-rank figures from the last run, "
+              f"{args.layout} HF_HOME, {cache} cache, medians of {args.runs} run(s); per-rank figures from the last run, "
               "ratios of their totals:\n")
         print(table)
     return 1 if failed else 0
