@@ -8,8 +8,6 @@ mapped models. Each module keeps its share of that state in a small class of its
 something to end (a thread, a blob, a store client) has a ``close()`` and says in
 ``CLOSE_PHASE`` when it runs. :meth:`Runtime.close` is the one place that orders them:
 
-0. ``FLUSH_WRITES``: the store writes a rank deferred (:mod:`.coordination.deferred`: a small
-   call's outcome, its ``finished`` count, rank 0's sequence entries) are made;
 1. ``RELEASE_SHARES``: open shares are released, after the followers that arrived took their
    blobs (bounded by ``PATCHLOAD_EXIT_WAIT``), and the mapped-model watcher stops;
 2. ``ANNOUNCE_EXIT``: rank 0's last word in the store (its credentials check, its exit; at
@@ -35,14 +33,13 @@ import threading
 from typing import Any, Final, TypeVar
 
 __all__ = ["Runtime", "current", "start", "end", "ANNOUNCE_EXIT", "CLOSE_STORES",
-           "FLUSH_WRITES", "RELEASE_SHARES", "STOP_THREADS"]
+           "RELEASE_SHARES", "STOP_THREADS"]
 
-FLUSH_WRITES: Final = -1
 RELEASE_SHARES: Final = 0
 ANNOUNCE_EXIT: Final = 1
 STOP_THREADS: Final = 2
 CLOSE_STORES: Final = 3
-_PHASES: Final = (FLUSH_WRITES, RELEASE_SHARES, ANNOUNCE_EXIT, STOP_THREADS, CLOSE_STORES)
+_PHASES: Final = (RELEASE_SHARES, ANNOUNCE_EXIT, STOP_THREADS, CLOSE_STORES)
 
 P = TypeVar("P")
 

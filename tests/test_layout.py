@@ -125,7 +125,6 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.coordination.key": COORDINATION,
     "patchload.coordination.keys": COORDINATION,
     "patchload.coordination.reaper": COORDINATION,
-    "patchload.coordination.deferred": COORDINATION,
     "patchload.coordination.load_state": COORDINATION,
     "patchload.coordination.protocol": COORDINATION,
     "patchload.coordination.rank0": COORDINATION,

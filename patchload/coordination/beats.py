@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from .calls import Call, Role
 
-__all__ = ["KEEP_BEAT_KEYS", "Heartbeat", "LeaderWatch", "beat", "beat_on", "read_beat",
+__all__ = ["KEEP_BEAT_KEYS", "Heartbeat", "LeaderWatch", "beat", "read_beat",
            "wait_beat"]
 
 logger = get_logger(__name__)
@@ -46,14 +46,13 @@ def beat(call: Call, *, heartbeat: bool = False) -> None:
     own (:meth:`~patchload.coordination.store.JobStore.heartbeat_client`), never one that
     another thread's request may hold up; else the shared client, under ``call.store.lock``."""
     if heartbeat:
-        beat_on(call.store.heartbeat_client(), call)
+        _beat_on(call.store.heartbeat_client(), call)
         return
     with call.store.lock:
-        beat_on(call.store.store, call)
+        _beat_on(call.store.store, call)
 
 
-def beat_on(client: Store, call: Call) -> None:
-    """:func:`beat` through ``client`` (the caller's own: no lock taken)."""
+def _beat_on(client: Store, call: Call) -> None:
     keys = call.keys
     n = client.add(keys.beats, 1)
     client.set(keys.beat(n), "")

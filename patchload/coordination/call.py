@@ -915,8 +915,7 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     # published by rank 0 and reported by every rank (.credentials).
     facts["__credentials__"] = credentials_digest()
     return _rank0.place(call, nested=nested, facts=facts,
-                        metadata=name.startswith(_METADATA_PREFIX),
-                        defer=not loads_model), deciding
+                        metadata=name.startswith(_METADATA_PREFIX)), deciding
 
 
 def _source_repo(name: str, args: tuple[Any, ...],

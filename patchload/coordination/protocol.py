@@ -38,8 +38,7 @@ from .._errors import (
 from .._logging import get_logger
 from .._topology import Topology
 from . import rank0 as _rank0
-from .beats import Heartbeat, LeaderWatch, beat, beat_on, read_beat, wait_beat
-from .deferred import deferred
+from .beats import Heartbeat, LeaderWatch, beat, read_beat, wait_beat
 from .identity import kernel_id, node_id, process_alive
 from .calls import Call, Role
 from .key import credentials_digest, digest
@@ -185,26 +184,10 @@ def _claim(call: Call, *, retry_failed: bool = True
         attempt += 1
 
 
-def publish(call: Call, outcome: dict[str, Any], *, defer: bool = False) -> None:
-    """Publish the leader's outcome for ``call`` (JSON-able dict) and beat, which wakes the
-    followers. Not collective.
-
-    ``defer``: on the deferred writer's thread (:mod:`.deferred`), after which the call leaves
-    the heartbeat; the caller returns at once. Else here, after the writes deferred so far."""
-    text = json.dumps(outcome)
-    if defer:
-        def write(client: Any) -> None:
-            try:
-                client.set(call.keys.outcome, text)
-                beat_on(client, call)
-            finally:
-                _calls().heartbeat.remove(call)
-
-        deferred().add(call.store, write, f"the outcome of {call.what}")
-        return
-    deferred().flush()
+def publish(call: Call, outcome: dict[str, Any]) -> None:
+    """Publish the leader's outcome for ``call`` (JSON-able dict). Not collective."""
     with call.store.lock:
-        call.store.store.set(call.keys.outcome, text)
+        call.store.store.set(call.keys.outcome, json.dumps(outcome))
     beat(call)
 
 
@@ -216,7 +199,6 @@ def files_ready(call: Call, announced: dict[str, Any] | None = None) -> None:
     """Leader: announce that every file of ``call`` is in the cache (its load is under way), so
     that followers can start their own part of the call before the outcome, with what they need
     to check before it (JSON-able ``announced``, see :func:`announcement`). Not collective."""
-    deferred().flush()
     with call.store.lock:
         call.store.store.set(call.keys.files, json.dumps(announced or {}))
     beat(call)
@@ -227,7 +209,6 @@ def publish_pins(call: Call, pins: dict[str, Any]) -> None:
     :attr:`patchload.coordination.call.Mode.pins`), each time one returns, so that followers that
     started at once make each of those calls from the cache as soon as it is there
     (:meth:`LeaderView.wait_pin`). Not collective."""
-    deferred().flush()
     with call.store.lock:
         call.store.store.set(call.keys.pins, json.dumps(pins))
     beat(call)
@@ -527,7 +508,7 @@ class LeaderView:
 
 
 @contextlib.contextmanager
-def leading(call: Call, *, defer: bool = False) -> Iterator[Callable[[dict[str, Any]], None]]:
+def leading(call: Call) -> Iterator[Callable[[dict[str, Any]], None]]:
     """Leader: keep the heartbeat going for the block; publish its failure if it raises.
 
     Yields a function the block calls with its success payload to publish it (followers start
@@ -539,16 +520,12 @@ def leading(call: Call, *, defer: bool = False) -> Iterator[Callable[[dict[str, 
     rank would not see the leader's Ctrl-C or SIGTERM): followers then make the call plainly
     (:func:`leader_first`'s ``interrupted``), and a rank arriving later starts a new attempt
     (:func:`claim`). It is re-raised here unchanged.
-
-    ``defer``: the success outcome is published on the deferred writer's thread
-    (:mod:`.deferred`), which keeps the call in the heartbeat until it is; failures are
-    published here.
     """
     published = False
 
     def done(payload: dict[str, Any]) -> None:
         nonlocal published
-        publish(call, {"ok": True, "payload": payload}, defer=defer)
+        publish(call, {"ok": True, "payload": payload})
         published = True
 
     _calls().heartbeat.add(call)
@@ -566,8 +543,7 @@ def leading(call: Call, *, defer: bool = False) -> Iterator[Callable[[dict[str, 
                                "rank": call.topology.rank})
         raise
     finally:
-        if not (defer and published):  # else the deferred write removes it once published
-            _calls().heartbeat.remove(call)
+        _calls().heartbeat.remove(call)
 
 
 def finish(call: Call, *, followers: bool = True) -> None:
@@ -582,23 +558,20 @@ def finish(call: Call, *, followers: bool = True) -> None:
 
     ``followers``: the call may have written the followers' bookkeeping (``arrived/<r>``,
     ``done/<r>``, ``arrivals``) and a model load's ``files`` and ``pins``, which are then
-    deleted too (False for a call that loads no model: :func:`leader_first` writes none there;
-    its count is then made on the deferred writer's thread, :mod:`.deferred`, and its keys
-    deleted on the key reaper's: a small call's caller pays neither).
+    deleted too (False for a call that loads no model: :func:`leader_first` writes none there).
     """
     store = call.store
-    if not followers:
-        def count(client: Any) -> None:
-            if client.add(finished_key(call.base), 1) >= call.scope_size():
-                _calls().reaper.add(call, followers=False)
-
-        deferred().add(store, count, f"counting out of {call.what}")
-        return
     try:
-        deferred().flush()
         with store.lock:
-            if store.store.add(finished_key(call.base), 1) >= call.scope_size():
-                delete_keys(store.store, call)  # a model load: seconds long, not felt
+            if store.store.add(finished_key(call.base), 1) < call.scope_size():
+                return
+            if followers:  # a model load: seconds long, its deletions are not felt
+                delete_keys(store.store, call)
+                return
+        # A small call (a config, a warm download: a few ms) leaves them to the reaper's
+        # thread: the rank that finished last does not pay about nine requests before its
+        # next call.
+        _calls().reaper.add(call, followers=False)
     except Exception as err:  # noqa: BLE001 - cleanup only
         logger.debug("%s: deleting the store keys of %s failed: %s", call.prefix(), call.key,
                      err)
@@ -645,8 +618,7 @@ def leader_first(call: Call,
     call, role, seen = _claim(call)
     if role.lead:
         try:
-            # A call that loads no model (a few ms) publishes its outcome off this thread.
-            with leading(call, defer=not early) as done:
+            with leading(call) as done:
                 result, payload, after = lead(call)
                 done(payload)
                 if after is not None:

@@ -62,7 +62,6 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Iterator
 
 from .identity import node_id, process_alive
 from .calls import Call, Placement
-from .deferred import deferred
 from .. import _runtime
 from .._logging import get_logger
 from .._topology import process_group_initialized
@@ -353,7 +352,7 @@ def _rank0() -> _Rank0:
 
 
 def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
-          metadata: bool = False, defer: bool = False) -> Call:
+          metadata: bool = False) -> Call:
     """Count ``call`` in this process's sequence; on the scope's rank 0, publish it (before it
     claims). Not collective; never waits; a store failure only costs the others their wait.
 
@@ -364,10 +363,6 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
         metadata: a hub metadata call of user code (:mod:`patchload.patches.hub_api`), counted
             in a sequence of its own (``<namespace>/metadata``): a listing that one rank makes
             alone never shifts where the others look for rank 0's loads.
-        defer: rank 0 writes its sequence entry on the deferred writer's thread
-            (:mod:`.deferred`; a call that loads no model): its claim, made at once, is what a
-            rank waiting for this very call looks for first, and a rank waiting for the entry
-            at this position blocks in the store until it is written.
 
     Returns:
         ``call`` with its :class:`Placement`.
@@ -388,28 +383,22 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
         if "__credentials__" in facts:
             _report_credentials(call, facts["__credentials__"])
         if call.config.claim_grace_s > 0 and call.topology.rank == scope_rank0(call):
-            _publish(call, facts, defer=defer)
+            _publish(call, facts)
     except Exception as err:  # noqa: BLE001 - see the docstring
         logger.debug("%s: publishing call %d of %s failed: %s", call.prefix(), position,
                      sequence, err)
     return call
 
 
-def _publish(call: Call, facts: dict[str, str], *, defer: bool) -> None:
+def _publish(call: Call, facts: dict[str, str]) -> None:
     complete = facts if all(part in facts for part in FACTS) else None
     state = _rank0().state
     if complete is not None or not state.knows(call.store):
         state.facts(call.store, call.topology.rank, complete)
     placement = call.placement
     keys = [f"seqkey/{call.key}", f"seq/{placement.sequence}/{placement.position}"]
-    values = [str(placement.position), call.key]
-    if defer:
-        deferred().add(call.store, lambda client: client.multi_set(keys, values),
-                       f"rank 0's entry for {call.what}")
-    else:
-        deferred().flush()  # the entries reach the store in this rank's order
-        with call.store.lock:  # one request for both entries
-            call.store.store.multi_set(keys, values)
+    with call.store.lock:  # one request for both entries
+        call.store.store.multi_set(keys, [str(placement.position), call.key])
     mine = _rank0()
     with mine.lock:
         mine.published.setdefault(id(call.store), (call.store, []))[1].extend(keys)

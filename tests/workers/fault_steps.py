@@ -347,7 +347,7 @@ def _settle_threads(timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(
             t.name in ("patchload-heartbeat", "patchload-shares", "patchload-leader-watch",
-                       "patchload-key-reaper", "patchload-deferred-writes")
+                       "patchload-key-reaper")
             for t in threading.enumerate()):
         time.sleep(0.05)
 
