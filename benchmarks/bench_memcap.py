@@ -1,6 +1,6 @@
 """What plain cannot do: the largest model 4 ranks load under a memory cap, plain vs patchload.
 
-    .venv/bin/python benchmarks/bench_memcap.py                 # 8 GiB cap, N = 4 (time: see the end)
+    .venv/bin/python benchmarks/bench_memcap.py                 # 8 GiB cap, N = 4 (about 7 min)
     .venv/bin/python benchmarks/bench_memcap.py --cap-gib 8 --no-search   # only the fixed runs
 
 Needs root (it creates a memory cgroup). The ranks of each run (torchrun and every process it
@@ -27,7 +27,9 @@ run every process left in the cgroup is killed and the cgroup removed.
    finished and the smallest that failed; the fixed bf16 -> fp32 run is one of its points. The
    ratio patched / plain of those sizes.
 
-The caches are warm, so the figures are load figures. The checkpoints of the runs are written
+The whole default command took 403 s (6.7 min) on the 2-core, 23 GiB machine on 2026-12-06,
+with a CI test run sharing it (load average 4-7); the former version took 30-35 min. The caches
+are warm, so the figures are load figures. The checkpoints of the runs are written
 directly as safetensors, each tensor a window of one seeded random block (``fill="pattern"`` of
 :func:`demo.models.llama_repo`: the load's time and memory do not depend on the values); the
 demo's model keeps its own initialisation. The loopback hub keeps its own copy of each; the
