@@ -1049,11 +1049,16 @@ def _call_s(job: Any, rank: int, step: str) -> float:
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_late_rank0_leads_every_call(harness: Harness) -> None:
     """Rank 0 late by 2, 8 and 30 s (its own work before the call): it makes every hub request
-    of each call, the others none (they wait for it: it is alive and makes the call)."""
+    of each call, the others none (they wait for it: it is alive and makes the call), and their
+    wait prints nothing on stderr."""
     patched = harness.side("rank0-late", "shm")
     for step in LATE_RANK0.step_names():
         per_rank = requests_per_rank(patched, step)
         assert set(per_rank) == {0}, f"{step}: requests per rank {per_rank}"
+    # Waiting prints nothing a plain rank does not: no c10d "waitForInput ... timed out" lines
+    # (a store wait that times out prints two; the waits for rank 0 read instead).
+    noise = [line for line in "\n".join(patched.outputs).splitlines() if "waitForInput" in line]
+    assert noise == [], noise[:4]
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
