@@ -250,42 +250,26 @@ def cache_from_hub(hub: Any, repo_ids: list[str], hf_home: Path) -> str:
     system). Returns how the cache was filled."""
     try:
         for repo_id in repo_ids:
-            repo = hub._repos[("model", repo_id)]  # the loopback hub's record of what it serves
-            commit = repo.branches["main"]
+            commit = hub.commit_of(repo_id)
             base = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
             (base / "blobs").mkdir(parents=True, exist_ok=True)
             (base / "refs").mkdir(parents=True, exist_ok=True)
-            for path, file in repo.snapshots[commit].items():
-                blob = base / "blobs" / file.etag
+            for path, (content, etag) in hub.files_of(repo_id).items():
+                blob = base / "blobs" / etag
                 if not blob.exists():
-                    os.link(file.blob, blob)
+                    os.link(content, blob)
                 pointer = base / "snapshots" / commit / path
                 pointer.parent.mkdir(parents=True, exist_ok=True)
                 if not pointer.is_symlink():
                     pointer.symlink_to(os.path.relpath(blob, pointer.parent))
             (base / "refs" / "main").write_text(commit)
         return "hard links to the hub's copies"
-    except (OSError, AttributeError, KeyError) as err:
+    except (OSError, KeyError) as err:
         for repo_id in repo_ids:
             shutil.rmtree(hf_home / "hub" / ("models--" + repo_id.replace("/", "--")),
                           ignore_errors=True)
         warm(repo_ids, hub.endpoint, hf_home)
         return f"downloaded through HTTP ({type(err).__name__}: {err})"
-
-
-def drop_from_hub(hub: Any, repo_id: str) -> None:
-    """Stop serving ``repo_id`` and delete the hub's copies of its files that no other repo it
-    serves shares (its blobs are content-addressed: the tokenizer's files are every repo's): a
-    search of GB-sized steps would otherwise keep every step's checkpoint on disk until the
-    end."""
-    with hub._lock:
-        repo = hub._repos.pop(("model", repo_id), None)
-        kept = {file.blob for other in hub._repos.values()
-                for files in other.snapshots.values() for file in files.values()}
-    for files in (repo.snapshots.values() if repo is not None else ()):
-        for file in files.values():
-            if file.blob not in kept:
-                Path(file.blob).unlink(missing_ok=True)
 
 
 def main() -> int:
@@ -358,7 +342,7 @@ def _main(args: argparse.Namespace, out: Path, cap: int, cgroup_kind: str, timer
         return repo_id
 
     def drop(hub: Any, repo_id: str) -> None:
-        drop_from_hub(hub, repo_id)
+        hub.remove_repo(repo_id)  # a GB-sized step's copies, not kept to the end
         shutil.rmtree(hf_home / "hub" / ("models--" + repo_id.replace("/", "--")),
                       ignore_errors=True)
 

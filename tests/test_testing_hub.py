@@ -197,6 +197,33 @@ def test_branches_and_deterministic_commits(tmp_path: Path, folders: dict[str, P
         assert {b["name"] for b in json.loads(body)["branches"]} == {"main", "refs/pr/1"}
 
 
+def test_files_of_and_remove_repo(tmp_path: Path, folders: dict[str, Path]) -> None:
+    """files_of names the hub's copy and the etag it serves for each file (what a benchmark
+    links into a cache); remove_repo stops serving a repo and deletes the copies no other repo
+    holds, keeping the shared ones."""
+    with LoopbackHub() as hub:
+        hub.add_repo(LLAMA, folders[LLAMA])
+        hub.add_repo(LLAMA_SHARDED, folders[LLAMA_SHARDED])  # the same tokenizer files
+        files = hub.files_of(LLAMA)
+        assert set(files) == {p.relative_to(folders[LLAMA]).as_posix()
+                              for p in folders[LLAMA].rglob("*") if p.is_file()}
+        content, etag = files["config.json"]
+        assert content.read_bytes() == (folders[LLAMA] / "config.json").read_bytes()
+        status, headers, _ = _http(hub, "HEAD", "/%s/resolve/main/config.json" % LLAMA)
+        assert headers["ETag"].strip('"') == etag
+        shared = {path for path in files if path in hub.files_of(LLAMA_SHARDED)
+                  and files[path][0] == hub.files_of(LLAMA_SHARDED)[path][0]}
+        assert "tokenizer.json" in shared
+        hub.remove_repo(LLAMA)
+        status, _, _ = _http(hub, "HEAD", "/%s/resolve/main/config.json" % LLAMA)
+        assert status == 404
+        assert not files["model.safetensors"][0].exists()  # its own copy is gone
+        assert all(files[path][0].exists() for path in shared)  # the other repo's stay
+        with pytest.raises(KeyError):
+            hub.files_of(LLAMA)
+        hub.remove_repo(LLAMA)  # not served: nothing happens
+
+
 @pytest.mark.timeout(60)
 def test_close_fault_and_stop_within_a_second(hub: LoopbackHub) -> None:
     hub.add_fault(Fault(repo_id=LLAMA, path="config.json", close=True, times=1))

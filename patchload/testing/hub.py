@@ -930,6 +930,33 @@ class LoopbackHub:
         with self._lock:
             return self._repos[(repo_type, repo_id)].branches[branch]
 
+    def files_of(self, repo_id: str, *, repo_type: str = "model",
+                 branch: str = "main") -> dict[str, tuple[Path, str]]:
+        """The files ``branch`` of a served repo holds: repo path -> (the hub's own copy of its
+        content, its etag as the hub sends it). The copies are the hub's: read them, link them
+        (a benchmark filling a cache without a second copy), never write them.
+
+        Raises:
+            KeyError: Unknown repo or branch.
+        """
+        with self._lock:
+            repo = self._repos[(repo_type, repo_id)]
+            files = repo.snapshots[repo.branches[branch]]
+            return {path: (file.blob, file.etag) for path, file in files.items()}
+
+    def remove_repo(self, repo_id: str, *, repo_type: str = "model") -> None:
+        """Stop serving a repo (every branch and commit) and delete the hub's copies of its
+        files that no other served repo holds (copies are content-addressed: repos with the same
+        tokenizer share its files). Nothing happens for a repo not served."""
+        with self._lock:
+            repo = self._repos.pop((repo_type, repo_id), None)
+            kept = {file.blob for other in self._repos.values()
+                    for files in other.snapshots.values() for file in files.values()}
+        for files in (repo.snapshots.values() if repo is not None else ()):
+            for file in files.values():
+                if file.blob not in kept:
+                    file.blob.unlink(missing_ok=True)
+
     # -- faults -----------------------------------------------------------------------------------
 
     def add_fault(self, fault: Fault) -> Fault:
