@@ -1168,11 +1168,35 @@ def test_a_rank_that_counted_a_call_rank0_never_made_does_not_wait_out_the_claim
     zero.store.store.set(key("led-by-rank-2") + "leader", "rank 2")
     for name, holder in (("shared", "rank 0"), ("led-by-rank-2", "rank 2")):
         placed = rank0.place(dataclasses.replace(one, key=key(name)), nested=False)
-        assert rank0.await_rank0(placed) == holder  # the claim is there: one request
+        # the claim is there at the first look: one request, and no attempt waited for
+        assert rank0.await_rank0(placed) == (holder, False)
     mine = rank0.place(dataclasses.replace(one, key=key("own-ckpt-1")), nested=False)
     start = time.monotonic()
-    assert rank0.await_rank0(mine) is None  # this rank claims
+    assert rank0.await_rank0(mine) == (None, False)  # this rank claims
     assert time.monotonic() - start < 2.0
+
+
+def test_a_rank_there_before_rank0s_claim_is_told_it_waited_for_that_attempt() -> None:
+    """Rank 1 reaches a call rank 0 has published but not claimed yet: await_rank0 returns rank
+    0's claim once it comes, saying that rank 1 was there before it (so rank 1 follows that
+    attempt to its end, a failure included, whatever the timing: protocol._claim)."""
+    import dataclasses
+    import threading
+    import uuid
+
+    from patchload.coordination import rank0
+
+    _, call_of = _two_rank_calls("waited", Config(claim_grace_s=20.0, progress_warning_s=None))
+    namespace, zero, one = f"u{uuid.uuid4().hex[:8]}", call_of(0), call_of(1)
+    key = f"{namespace}/late/"
+    zero.store.store.multi_set([f"seqkey/{key}", f"seq/{namespace}/top/1"], ["1", key])
+    placed = rank0.place(dataclasses.replace(one, key=key), nested=False)
+    claim = threading.Timer(0.3, lambda: zero.store.store.set(key + "leader", "rank 0"))
+    claim.start()
+    try:
+        assert rank0.await_rank0(placed) == ("rank 0", True)
+    finally:
+        claim.join()
 
 
 def test_a_leaders_transport_error_is_rebuilt_of_its_class_or_not_at_all() -> None:

@@ -143,6 +143,8 @@ def claim(call: Call, *, retry_failed: bool = True) -> tuple[Call, Role]:
     An **attempt** is one run of the call by one leader. A rank that arrives after an attempt
     failed (its error outcome is published) was not waiting on it: it starts the next attempt
     instead of inheriting that error (a rank-0-only probe, a transient error before a retry).
+    A rank that was waiting for rank 0 before rank 0 claimed the attempt follows it to its end,
+    a failure included, however soon it comes.
 
     Args:
         call: the call, from :func:`call_key` (placed by :func:`.rank0.place`).
@@ -168,14 +170,16 @@ def _claim(call: Call, *, retry_failed: bool = True
     attempt = 0
     while True:
         narrowed = dataclasses.replace(call, key=f"{call.key}a{attempt}/", attempt=attempt)
-        holder = None
+        holder, waited = None, False
         if attempt == 0 and call.topology.rank != _rank0.scope_rank0(call):
-            holder = _rank0.await_rank0(narrowed)
+            holder, waited = _rank0.await_rank0(narrowed)
         outcome = None
         with call.store.lock:
             if holder is None:  # await_rank0 saw no claim: make one (or learn who holds it)
                 holder = call.store.store.compare_set(narrowed.keys.leader, "", me).decode()
-            if retry_failed and holder != me:
+            # A rank that was there before the claim waited for this attempt: its failure is
+            # this rank's too, however soon after the claim it came (not a matter of timing).
+            if retry_failed and holder != me and not waited:
                 outcome = _published(narrowed)
         if outcome is None or outcome.get("ok"):
             info = json.loads(holder)

@@ -457,7 +457,7 @@ def _check_credentials(*, final: bool) -> None:
 
 # --- waiting for rank 0 ---------------------------------------------------------------------------
 
-def await_rank0(call: Call) -> str | None:
+def await_rank0(call: Call) -> tuple[str | None, bool]:
     """Wait until the scope's rank 0 claimed attempt ``call`` or showed that it will not make
     it (see the module docstring); then the caller claims. Not collective; bounded by
     ``PATCHLOAD_CLAIM_GRACE`` seconds; returns at once when that is 0. Never raises (a store
@@ -465,18 +465,21 @@ def await_rank0(call: Call) -> str | None:
 
     Returns:
         The claim it saw (the ``leader`` key's value: the caller follows that one without
-        claiming), or None (the caller claims)."""
+        claiming), or None (the caller claims); and whether the caller was there before that
+        claim (the claim was not there at its first look): it waited for that attempt, so the
+        attempt's outcome is its own, a failure included, however soon the leader failed."""
     cfg = call.config
     if cfg.claim_grace_s <= 0:
-        return None
+        return None, False
     try:
         return _await(call, cfg.claim_grace_s, cfg.progress_warning_s)
     except Exception as err:  # noqa: BLE001 - the caller's claim reports a broken store
         logger.debug("%s: waiting for rank 0 failed: %s", call.prefix(), err)
-        return None
+        return None, False
 
 
-def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
+def _await(call: Call, bound_s: float, warning_s: float | None
+           ) -> tuple[str | None, bool]:
     store, placement, base = call.store, call.placement, call.base
     rank0 = scope_rank0(call)
     leader = call.keys.leader
@@ -486,7 +489,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
     with store.lock:
         holder = _read(store, leader)
     if holder is not None:
-        return holder
+        return holder, False
     start = time.monotonic()
     warn_at = start + warning_s if warning_s is not None else math.inf
     matched = placement is None
@@ -501,14 +504,14 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
             with store.lock:
                 holder = _read(store, leader)
             if holder is not None:
-                return holder
+                return holder, True
         else:
             with store.lock:
                 found = _read(store, f"seqkey/{base}")
                 # Another rank that gave up on rank 0 claimed it: follow that one.
                 holder = None if found is not None else _read(store, leader)
             if holder is not None:
-                return holder
+                return holder, True
             if found is not None:
                 _matched(placement, int(found))
                 matched = fresh = True
@@ -533,8 +536,9 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
                 at = _passed_below(store, placement.sequence, expected, anchor.theirs)
             if at is not None:
                 _account(placement.sequence, at)
-                return _gave_up(call, placement, f"rank {rank0} made another call at that point "
-                                f"({at})", remember=True)
+                _gave_up(call, placement, f"rank {rank0} made another call at that point "
+                         f"({at})", remember=True)
+                return None, False
         if fresh:
             # Rank 0 has just published this very call and claims it right after: its state
             # is read only once the first slice of the wait for that claim ends without it.
@@ -545,17 +549,20 @@ def _await(call: Call, bound_s: float, warning_s: float | None) -> str | None:
             state = json.loads(raw) if raw else None
         differs = _differs(state, placement, rank0)
         if differs is not None:  # rank 0 never makes this key: not worth anchoring on
-            return _gave_up(call, placement, differs, remember=False)
+            _gave_up(call, placement, differs, remember=False)
+            return None, False
         reason = _stop(state, placement, rank0)
         if reason is not None:
-            return _gave_up(call, placement, reason, remember=not matched)
+            _gave_up(call, placement, reason, remember=not matched)
+            return None, False
         now = time.monotonic()
         if now - start >= bound_s:
             logger.warning("%s: rank %d, alive and not in a collective, has not %s within "
                            "PATCHLOAD_CLAIM_GRACE (%.0f s): claiming it here", call.prefix(),
                            rank0, "claimed this call" if matched else "reached this call",
                            bound_s)
-            return _gave_up(call, placement, "PATCHLOAD_CLAIM_GRACE", remember=not matched)
+            _gave_up(call, placement, "PATCHLOAD_CLAIM_GRACE", remember=not matched)
+            return None, False
         if now >= warn_at:
             logger.warning("%s: waiting for rank %d to %s %s (%.0f s so far; it is alive and "
                            "not in a collective); claiming it here after PATCHLOAD_CLAIM_GRACE "
