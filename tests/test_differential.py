@@ -45,7 +45,7 @@ import pytest
 
 from differential import (Group, Harness, Requests, RunContext, Scenario, SetupContext,
                           copy_cache, deep_diff, error_diff, hosts_unavailable, record_diff,
-                          requests_per_rank, scenario_diff)
+                          rank_of, requests_per_rank, scenario_diff)
 from patchload.testing import Fault, LoopbackHub
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -818,6 +818,46 @@ HF_FS_ERRORS = Scenario(
         _fs("read-text-missing-revision", "read_text", "rp/fs@no-such-revision/config.json"),
     ), Requests.TOTAL)
 
+# Rank 0 comes 2 s late to a call (its own work first): the other ranks wait for its attempt.
+_LATE: Final = {"sleep_before_s": {"0": 2}}
+
+
+def _library_setup(ctx: SetupContext) -> None:
+    """rp/lib-templates: a tiny llama whose tokenizer has a chat template in
+    ``additional_chat_templates/`` (transformers lists that folder and downloads what it finds)."""
+    folder = _models().tiny_llama(ctx.assets / "rp--lib-templates", seed=48)
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    ctx.hub.add_repo("rp/lib-templates", folder)
+
+
+# The same APIs as user code's own calls above, reached through the libraries that make them,
+# inside a coordinated load: the leader's answers, errors included, replayed to its followers
+# (test_libraries_reach_the_replayed_apis checks that each step makes the request named here).
+# Rank 0 comes 2 s late, so the followers wait for its attempt: followers 0 requests.
+LIBRARY_API = Scenario(
+    "library-api", (
+        # AutoTokenizer lists additional_chat_templates/ (list_repo_tree) and the repo's files
+        # (list_repo_files), then downloads the template it found.
+        {"name": "tokenizer-templates", "op": "tokenizer", "repo": "rp/lib-templates",
+         "chat_template": True, **_LATE},
+        # The same listing answers 404 (no such folder): transformers catches it and goes on.
+        {"name": "tokenizer-no-templates", "op": "tokenizer", "repo": "rp/fs",
+         "chat_template": True, **_LATE},
+        # transformers resolves the revision first (HfApi.resolve_revision): a missing branch
+        # fails the load with the plain error on every rank.
+        {"name": "config-missing-revision", "op": "config", "repo": "rp/api",
+         "kwargs": {"revision": "no-such-branch"}, **_LATE},
+        {"name": "tokenizer-missing-revision", "op": "tokenizer", "repo": "rp/fs",
+         "kwargs": {"revision": "no-such-branch"}, **_LATE},
+        # A model load's followers start at once (they do not wait for its outcome): they
+        # still end with the leader's error and make no request.
+        {"name": "model-missing-revision", "op": "model", "repo": "rp/api",
+         "kwargs": {"revision": "no-such-branch"}, **_LATE},
+        {"name": "tokenizer-missing-repo", "op": "tokenizer", "repo": "rp/no-such-repo", **_LATE},
+    ), Requests.ONE_PER_CACHE, setup=_library_setup)
+
 # --- under contention (issue 31) ------------------------------------------------------------------
 # The same kinds of job as ``cold`` and ``saved`` (own repos), in a shared cache, while every core
 # is kept busy (``Group.busy_cores``): a follower's waits and the leader's heartbeats run late,
@@ -842,7 +882,8 @@ GROUPS = (
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS, HF_FS, HF_FS_READS,
-                     HF_FS_READS_UNSHARED, HF_FS_ERRORS), nproc=4),
+                     HF_FS_READS_UNSHARED, HF_FS_ERRORS, LIBRARY_API),
+          nproc=4),
     Group("two-hosts", (SRUN_SPAWN, RANK0_FIRST_HOSTS), homes="per-host", nproc=2, hosts=2,
           variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("two-nodes", (RANK0_FIRST_SHARED,), homes="shared", nproc=2, nodes=2,
@@ -1198,3 +1239,35 @@ def test_replay_scenarios_take_the_online_path(harness: Harness) -> None:
         times = {rank: report["steps"][f"remote-code/load-{i}"]["attempts"][0]["call_s"]
                  for rank, report in patched.ranks.items()}
         assert all(t <= times[0] + 1.0 for t in times.values()), times
+
+
+# The request each library-api step's library makes (read off the plain run's hub log), and its
+# answer: what makes the step a test of that replayed API.
+_LIBRARY_REQUESTS: Final = {
+    "tokenizer-templates": [("GET", "/api/models/rp/lib-templates/tree/main/"
+                             "additional_chat_templates", 200),  # list_repo_tree
+                            ("GET", "/api/models/rp/lib-templates/tree/main", 200)],  # files
+    "tokenizer-no-templates": [("GET", "/api/models/rp/fs/tree/main/additional_chat_templates",
+                                404)],
+    "config-missing-revision": [("GET", "/api/models/rp/api/revision/no-such-branch", 404)],
+    "tokenizer-missing-revision": [("GET", "/api/models/rp/fs/revision/no-such-branch", 404)],
+    "tokenizer-missing-repo": [("GET", "/api/models/rp/no-such-repo", 404)],
+}
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_libraries_reach_the_replayed_apis(harness: Harness) -> None:
+    """transformers makes each library-api step's hub API request on every plain rank (the
+    listing of additional_chat_templates/, 200 or 404; the revision resolution; a missing
+    repo's info), and on rank 0 alone patched: its followers got the leader's answer, error
+    included; the tokenizer still carries the template the listing found."""
+    for side, want in (("plain", {0, 1, 2, 3}), ("shm", {0})):
+        job = harness.side("replay", side)
+        for step, requests in _LIBRARY_REQUESTS.items():
+            for method, path, status in requests:
+                ranks = {rank_of(job, r) for r in job.window(f"library-api/{step}")
+                         if (r.method, r.path, r.status) == (method, path, status)}
+                assert ranks == want, (side, step, method, path, status, ranks)
+    plain = _plain_steps(harness, "replay")
+    for rank, steps in plain.items():
+        assert "tool_use" in _obs(steps["library-api/tokenizer-templates"])["chat_template"]

@@ -35,6 +35,7 @@ A step (every key but ``name`` and ``op`` is optional):
   ``path`` (in ``mode``, default ``rb``) and reads it to the end instead, or (``read_sizes``)
   reads each of those sizes in turn (``-1``: the rest). Its result rendered without times
   (:func:`fs_view`).
+* ``chat_template``: for ``tokenizer``: also record the tokenizer's ``chat_template``.
 * ``repo``: repo id or path (``"./ckpt"`` resolves against the rank's working directory);
   ``cls``: the transformers class for ``model`` (default ``AutoModelForCausalLM``);
   ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``).
@@ -312,6 +313,8 @@ def op_tokenizer(step: dict[str, Any]) -> dict[str, Any]:
         extra["pre_tokenizer"] = None if backend is None else \
             json.loads(backend.to_str()).get("pre_tokenizer")
         extra["mistral_ids"] = tok(MISTRAL_SENTENCES)["input_ids"]
+    if step.get("chat_template"):  # what a repo's additional_chat_templates/ added
+        extra["chat_template"] = jsonable(getattr(tok, "chat_template", None))
     return {**extra, "class": type(tok).__name__, "input_ids": tok(SENTENCES)["input_ids"],
             "len": len(tok), "special_tokens": jsonable(tok.special_tokens_map),
             "model_max_length": tok.model_max_length, "name_or_path": norm(tok.name_or_path),
