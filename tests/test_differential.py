@@ -818,8 +818,51 @@ HF_FS_ERRORS = Scenario(
         _fs("read-text-missing-revision", "read_text", "rp/fs@no-such-revision/config.json"),
     ), Requests.TOTAL)
 
-# Rank 0 comes 2 s late to a call (its own work first): the other ranks wait for its attempt.
+# Rank 0 comes 2 s late to each call (its own work first), so every other rank is already
+# waiting for rank 0's claim when its attempt fails: each follows that attempt and raises its
+# error (the plain class and message) with no request of its own: ONE_PER_CACHE. One step per
+# replayed API, each failing on the leader (a missing repo, revision or file where the API
+# raises; where it answers False instead, that answer).
+# Known to fail now and then: a follower that wakes from its wait for rank 0's claim only after
+# that attempt (a few ms against the loopback hub) published its failure starts an attempt of
+# its own (coordination.protocol._claim reads the outcome after rank0.await_rank0 returned the
+# claim it waited for), and makes one request: one step of 21 in two of three runs here.
 _LATE: Final = {"sleep_before_s": {"0": 2}}
+HUB_API_ERRORS_LATE = Scenario(
+    "hub-api-errors-late", (
+        _api("model-info-missing", "model_info", repo="rp/no-such-repo", **_LATE),
+        _api("dataset-info-missing", "dataset_info", repo="rp/no-such-dataset", **_LATE),
+        _api("repo-info-missing", "repo_info", via="HfApi", repo="rp/no-such-repo", **_LATE),
+        _api("repo-info-missing-revision", "repo_info", kwargs={"revision": "no-such-branch"},
+             **_LATE),
+        _api("revision-exists-missing-repo", "revision_exists", "main", repo="rp/no-such-repo",
+             **_LATE),
+        _api("file-exists-missing-repo", "file_exists", "config.json", repo="rp/no-such-repo",
+             **_LATE),
+        _api("list-files-missing-repo", "list_repo_files", repo="rp/no-such-repo", **_LATE),
+        _api("list-tree-missing-revision", "list_repo_tree", via="HfApi",
+             kwargs={"revision": "no-such-branch"}, **_LATE),
+        _api("list-tree-missing-folder", "list_repo_tree", kwargs={"path_in_repo": "no-such-dir"},
+             **_LATE),
+        _api("list-refs-missing-repo", "list_repo_refs", repo="rp/no-such-repo", **_LATE),
+        _api("list-commits-missing-revision", "list_repo_commits", via="HfApi",
+             kwargs={"revision": "no-such-branch"}, **_LATE),
+        _api("paths-info-missing-repo", "get_paths_info", ["config.json"],
+             repo="rp/no-such-repo", **_LATE),
+        _api("paths-info-missing-revision", "get_paths_info", ["config.json"],
+             kwargs={"revision": "no-such-branch"}, **_LATE),
+        # The revision resolution transformers makes before any file (HfApi.resolve_revision).
+        _api("resolve-revision-missing", "resolve_revision", via="HfApi",
+             kwargs={"revision": "no-such-branch"}, **_LATE),
+        _fs("fs-ls-missing-repo", "ls", "rp/no-such-repo", **_LATE),
+        _fs("fs-info-missing-file", "info", "rp/api/no-such-file.json", **_LATE),
+        _fs("fs-exists-missing-revision", "exists", "rp/api@no-such-branch/config.json", **_LATE),
+        _fs("fs-glob-missing-repo", "glob", "rp/no-such-repo/*.json", **_LATE),
+        _fs("fs-find-missing-repo", "find", "rp/no-such-repo", **_LATE),
+        _fs("fs-cat-file-missing-revision", "cat_file", "rp/api@no-such-branch/config.json",
+            **_LATE),
+        _fs("fs-read-missing-file", "open", "rp/api/no-such-file.json", read=True, **_LATE),
+    ), Requests.ONE_PER_CACHE)
 
 
 def _library_setup(ctx: SetupContext) -> None:
@@ -882,8 +925,8 @@ GROUPS = (
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS, HF_FS, HF_FS_READS,
-                     HF_FS_READS_UNSHARED, HF_FS_ERRORS, LIBRARY_API),
-          nproc=4),
+                     HF_FS_READS_UNSHARED, HF_FS_ERRORS, HUB_API_ERRORS_LATE,
+                     LIBRARY_API), nproc=4),
     Group("two-hosts", (SRUN_SPAWN, RANK0_FIRST_HOSTS), homes="per-host", nproc=2, hosts=2,
           variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("two-nodes", (RANK0_FIRST_SHARED,), homes="shared", nproc=2, nodes=2,
