@@ -33,6 +33,7 @@ difference under patchload is patchload's) and patched once per variant.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import json
 import os
@@ -867,12 +868,21 @@ HUB_API_ERRORS_LATE = Scenario(
 
 def _library_setup(ctx: SetupContext) -> None:
     """rp/lib-templates: a tiny llama whose tokenizer has a chat template in
-    ``additional_chat_templates/`` (transformers lists that folder and downloads what it finds)."""
+    ``additional_chat_templates/`` (transformers lists that folder and downloads what it finds);
+    rp/lib-ds: a dataset repo of one parquet file."""
     folder = _models().tiny_llama(ctx.assets / "rp--lib-templates", seed=48)
     (folder / "additional_chat_templates").mkdir()
     (folder / "additional_chat_templates" / "tool_use.jinja").write_text(
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
     ctx.hub.add_repo("rp/lib-templates", folder)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = ctx.assets / "rp--lib-ds" / "data"
+    data.mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["a", "b", "c"], "label": [0, 1, 0]}),
+                   data / "train-00000-of-00001.parquet")
+    ctx.hub.add_repo("rp/lib-ds", data.parent, repo_type="dataset")
 
 
 # The same APIs as user code's own calls above, reached through the libraries that make them,
@@ -899,6 +909,14 @@ LIBRARY_API = Scenario(
         {"name": "model-missing-revision", "op": "model", "repo": "rp/api",
          "kwargs": {"revision": "no-such-branch"}, **_LATE},
         {"name": "tokenizer-missing-repo", "op": "tokenizer", "repo": "rp/no-such-repo", **_LATE},
+        # datasets' load_dataset asks dataset_info, lists the repo through HfFileSystem and
+        # downloads the data files; a missing dataset or revision fails at its first request
+        # (README.md's HEAD: 404), raised as DatasetNotFoundError.
+        {"name": "dataset", "op": "load_dataset", "repo": "rp/lib-ds", **_LATE},
+        {"name": "dataset-missing-repo", "op": "load_dataset", "repo": "rp/no-such-dataset",
+         **_LATE},
+        {"name": "dataset-missing-revision", "op": "load_dataset", "repo": "rp/lib-ds",
+         "kwargs": {"revision": "no-such-branch"}, **_LATE},
     ), Requests.ONE_PER_CACHE, setup=_library_setup)
 
 # --- under contention (issue 31) ------------------------------------------------------------------
@@ -1284,8 +1302,9 @@ def test_replay_scenarios_take_the_online_path(harness: Harness) -> None:
         assert all(t <= times[0] + 1.0 for t in times.values()), times
 
 
-# The request each library-api step's library makes (read off the plain run's hub log), and its
-# answer: what makes the step a test of that replayed API.
+# The request each library-api step's library makes (read off the plain run's hub log; the path
+# an fnmatch pattern where it holds the commit), and its answer: what makes the step a test of
+# that replayed API.
 _LIBRARY_REQUESTS: Final = {
     "tokenizer-templates": [("GET", "/api/models/rp/lib-templates/tree/main/"
                              "additional_chat_templates", 200),  # list_repo_tree
@@ -1295,21 +1314,24 @@ _LIBRARY_REQUESTS: Final = {
     "config-missing-revision": [("GET", "/api/models/rp/api/revision/no-such-branch", 404)],
     "tokenizer-missing-revision": [("GET", "/api/models/rp/fs/revision/no-such-branch", 404)],
     "tokenizer-missing-repo": [("GET", "/api/models/rp/no-such-repo", 404)],
+    "dataset": [("GET", "/api/datasets/rp/lib-ds", 200),  # dataset_info
+                ("GET", "/api/datasets/rp/lib-ds/tree/*/data", 200)],  # HfFileSystem listing
 }
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_libraries_reach_the_replayed_apis(harness: Harness) -> None:
-    """transformers makes each library-api step's hub API request on every plain rank (the
-    listing of additional_chat_templates/, 200 or 404; the revision resolution; a missing
-    repo's info), and on rank 0 alone patched: its followers got the leader's answer, error
+    """transformers and datasets make each library-api step's hub API request on every plain
+    rank (the listing of additional_chat_templates/, 200 or 404; the revision resolution; a
+    missing repo's info; load_dataset's dataset_info and listing), and on rank 0 alone patched: its followers got the leader's answer, error
     included; the tokenizer still carries the template the listing found."""
     for side, want in (("plain", {0, 1, 2, 3}), ("shm", {0})):
         job = harness.side("replay", side)
         for step, requests in _LIBRARY_REQUESTS.items():
             for method, path, status in requests:
                 ranks = {rank_of(job, r) for r in job.window(f"library-api/{step}")
-                         if (r.method, r.path, r.status) == (method, path, status)}
+                         if (r.method, r.status) == (method, status)
+                         and fnmatch.fnmatchcase(r.path, path)}
                 assert ranks == want, (side, step, method, path, status, ranks)
     plain = _plain_steps(harness, "replay")
     for rank, steps in plain.items():
