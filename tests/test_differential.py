@@ -819,7 +819,7 @@ HF_FS_ERRORS = Scenario(
         _fs("read-text-missing-revision", "read_text", "rp/fs@no-such-revision/config.json"),
     ), Requests.TOTAL)
 
-# Rank 0 comes 2 s late to each call (its own work first), so every other rank is already
+# Rank 0 comes 1 s late to each call (its own work first), so every other rank is already
 # waiting for rank 0's claim when its attempt fails: each follows that attempt and raises its
 # error (the plain class and message) with no request of its own: ONE_PER_CACHE. One step per
 # replayed API, each failing on the leader (a missing repo, revision or file where the API
@@ -828,7 +828,7 @@ HF_FS_ERRORS = Scenario(
 # that attempt (a few ms against the loopback hub) published its failure starts an attempt of
 # its own (coordination.protocol._claim reads the outcome after rank0.await_rank0 returned the
 # claim it waited for), and makes one request: one step of 21 in two of three runs here.
-_LATE: Final = {"sleep_before_s": {"0": 2}}
+_LATE: Final = {"sleep_before_s": {"0": 1}}
 HUB_API_ERRORS_LATE = Scenario(
     "hub-api-errors-late", (
         _api("model-info-missing", "model_info", repo="rp/no-such-repo", **_LATE),
@@ -888,7 +888,7 @@ def _library_setup(ctx: SetupContext) -> None:
 # The same APIs as user code's own calls above, reached through the libraries that make them,
 # inside a coordinated load: the leader's answers, errors included, replayed to its followers
 # (test_libraries_reach_the_replayed_apis checks that each step makes the request named here).
-# Rank 0 comes 2 s late, so the followers wait for its attempt: followers 0 requests.
+# Rank 0 comes 1 s late, so the followers wait for its attempt: followers 0 requests.
 LIBRARY_API = Scenario(
     "library-api", (
         # AutoTokenizer lists additional_chat_templates/ (list_repo_tree) and the repo's files
