@@ -869,7 +869,7 @@ HUB_API_ERRORS_LATE = Scenario(
 def _library_setup(ctx: SetupContext) -> None:
     """rp/lib-templates: a tiny llama whose tokenizer has a chat template in
     ``additional_chat_templates/`` (transformers lists that folder and downloads what it finds);
-    rp/lib-ds: a dataset repo of one parquet file."""
+    rp/lib-ds: a dataset repo of one parquet file; rp/lib-lora: a LoRA adapter of rp/lib-base."""
     folder = _models().tiny_llama(ctx.assets / "rp--lib-templates", seed=48)
     (folder / "additional_chat_templates").mkdir()
     (folder / "additional_chat_templates" / "tool_use.jinja").write_text(
@@ -883,6 +883,10 @@ def _library_setup(ctx: SetupContext) -> None:
     pq.write_table(pa.table({"text": ["a", "b", "c"], "label": [0, 1, 0]}),
                    data / "train-00000-of-00001.parquet")
     ctx.hub.add_repo("rp/lib-ds", data.parent, repo_type="dataset")
+    base = _llama(ctx, "rp/lib-base", seed=49, with_tokenizer=False)
+    lora = _models().tiny_lora(ctx.assets / "rp--lib-lora", base, base_repo_id="rp/lib-base",
+                               seed=50)
+    ctx.hub.add_repo("rp/lib-lora", lora)
 
 
 # The same APIs as user code's own calls above, reached through the libraries that make them,
@@ -913,6 +917,10 @@ LIBRARY_API = Scenario(
         # downloads the data files; a missing dataset or revision fails at its first request
         # (README.md's HEAD: 404), raised as DatasetNotFoundError.
         {"name": "dataset", "op": "load_dataset", "repo": "rp/lib-ds", **_LATE},
+        # An adapter repo: transformers 5 resolves its revision (GET /api/models/<repo>), loads
+        # the base model it names, then downloads the adapter's weights itself (peft's own
+        # file_exists is PeftModel.from_pretrained's: tests/test_libraries.py).
+        {"name": "peft-adapter", "op": "model", "repo": "rp/lib-lora", **_LATE},
         {"name": "dataset-missing-repo", "op": "load_dataset", "repo": "rp/no-such-dataset",
          **_LATE},
         {"name": "dataset-missing-revision", "op": "load_dataset", "repo": "rp/lib-ds",
