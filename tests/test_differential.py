@@ -38,6 +38,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Final
@@ -869,7 +870,8 @@ HUB_API_ERRORS_LATE = Scenario(
 def _library_setup(ctx: SetupContext) -> None:
     """rp/lib-templates: a tiny llama whose tokenizer has a chat template in
     ``additional_chat_templates/`` (transformers lists that folder and downloads what it finds);
-    rp/lib-ds: a dataset repo of one parquet file; rp/lib-lora: a LoRA adapter of rp/lib-base."""
+    rp/lib-ds: a dataset repo of one parquet file; rp/lib-lora: a LoRA adapter of rp/lib-base,
+    and rp/lib-lora-no-weights: its adapter_config.json alone."""
     folder = _models().tiny_llama(ctx.assets / "rp--lib-templates", seed=48)
     (folder / "additional_chat_templates").mkdir()
     (folder / "additional_chat_templates" / "tool_use.jinja").write_text(
@@ -887,6 +889,10 @@ def _library_setup(ctx: SetupContext) -> None:
     lora = _models().tiny_lora(ctx.assets / "rp--lib-lora", base, base_repo_id="rp/lib-base",
                                seed=50)
     ctx.hub.add_repo("rp/lib-lora", lora)
+    no_weights = ctx.assets / "rp--lib-lora-no-weights"
+    no_weights.mkdir()
+    shutil.copy(lora / "adapter_config.json", no_weights)
+    ctx.hub.add_repo("rp/lib-lora-no-weights", no_weights)
 
 
 # The same APIs as user code's own calls above, reached through the libraries that make them,
@@ -921,6 +927,12 @@ LIBRARY_API = Scenario(
         # the base model it names, then downloads the adapter's weights itself (peft's own
         # file_exists is PeftModel.from_pretrained's: tests/test_libraries.py).
         {"name": "peft-adapter", "op": "model", "repo": "rp/lib-lora", **_LATE},
+        # The adapter's weights are missing (HEAD .safetensors, then .bin: 404) after the base
+        # model was built: every rank raises plain's OSError. Fails today on the RNG: a plain
+        # rank built the base model (its random init) before the error; a follower raises the
+        # leader's error without building it, its RNG state as before the call.
+        {"name": "peft-adapter-no-weights", "op": "model", "repo": "rp/lib-lora-no-weights",
+         **_LATE},
         {"name": "dataset-missing-repo", "op": "load_dataset", "repo": "rp/no-such-dataset",
          **_LATE},
         {"name": "dataset-missing-revision", "op": "load_dataset", "repo": "rp/lib-ds",
