@@ -828,7 +828,7 @@ HF_FS_ERRORS = Scenario(
 # Known to fail now and then: a follower that wakes from its wait for rank 0's claim only after
 # that attempt (a few ms against the loopback hub) published its failure starts an attempt of
 # its own (coordination.protocol._claim reads the outcome after rank0.await_rank0 returned the
-# claim it waited for), and makes one request: one step of 21 in two of three runs here.
+# claim it waited for), and makes one request: one or two steps of 21 in three of six runs here.
 _LATE: Final = {"sleep_before_s": {"0": 1}}
 HUB_API_ERRORS_LATE = Scenario(
     "hub-api-errors-late", (
