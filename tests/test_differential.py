@@ -33,10 +33,12 @@ difference under patchload is patchload's) and patched once per variant.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Final
@@ -45,7 +47,7 @@ import pytest
 
 from differential import (Group, Harness, Requests, RunContext, Scenario, SetupContext,
                           copy_cache, deep_diff, error_diff, hosts_unavailable, record_diff,
-                          requests_per_rank, scenario_diff)
+                          rank_of, requests_per_rank, scenario_diff)
 from patchload.testing import Fault, LoopbackHub
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -818,6 +820,125 @@ HF_FS_ERRORS = Scenario(
         _fs("read-text-missing-revision", "read_text", "rp/fs@no-such-revision/config.json"),
     ), Requests.TOTAL)
 
+# Rank 0 comes 1 s late to each call (its own work first), so every other rank is already
+# waiting for rank 0's claim when its attempt fails: each follows that attempt and raises its
+# error (the plain class and message) with no request of its own: ONE_PER_CACHE. One step per
+# replayed API, each failing on the leader (a missing repo, revision or file where the API
+# raises; where it answers False instead, that answer).
+# Known to fail now and then: a follower that wakes from its wait for rank 0's claim only after
+# that attempt (a few ms against the loopback hub) published its failure starts an attempt of
+# its own (coordination.protocol._claim reads the outcome after rank0.await_rank0 returned the
+# claim it waited for), and makes one request: one or two steps of 21 in three of six runs here.
+_LATE: Final = {"sleep_before_s": {"0": 1}}
+HUB_API_ERRORS_LATE = Scenario(
+    "hub-api-errors-late", (
+        _api("model-info-missing", "model_info", repo="rp/no-such-repo", **_LATE),
+        _api("dataset-info-missing", "dataset_info", repo="rp/no-such-dataset", **_LATE),
+        _api("repo-info-missing", "repo_info", via="HfApi", repo="rp/no-such-repo", **_LATE),
+        _api("repo-info-missing-revision", "repo_info", kwargs={"revision": "no-such-branch"},
+             **_LATE),
+        _api("revision-exists-missing-repo", "revision_exists", "main", repo="rp/no-such-repo",
+             **_LATE),
+        _api("file-exists-missing-repo", "file_exists", "config.json", repo="rp/no-such-repo",
+             **_LATE),
+        _api("list-files-missing-repo", "list_repo_files", repo="rp/no-such-repo", **_LATE),
+        _api("list-tree-missing-revision", "list_repo_tree", via="HfApi",
+             kwargs={"revision": "no-such-branch"}, **_LATE),
+        _api("list-tree-missing-folder", "list_repo_tree", kwargs={"path_in_repo": "no-such-dir"},
+             **_LATE),
+        _api("list-refs-missing-repo", "list_repo_refs", repo="rp/no-such-repo", **_LATE),
+        _api("list-commits-missing-revision", "list_repo_commits", via="HfApi",
+             kwargs={"revision": "no-such-branch"}, **_LATE),
+        _api("paths-info-missing-repo", "get_paths_info", ["config.json"],
+             repo="rp/no-such-repo", **_LATE),
+        _api("paths-info-missing-revision", "get_paths_info", ["config.json"],
+             kwargs={"revision": "no-such-branch"}, **_LATE),
+        # The revision resolution transformers makes before any file (HfApi.resolve_revision).
+        _api("resolve-revision-missing", "resolve_revision", via="HfApi",
+             kwargs={"revision": "no-such-branch"}, **_LATE),
+        _fs("fs-ls-missing-repo", "ls", "rp/no-such-repo", **_LATE),
+        _fs("fs-info-missing-file", "info", "rp/api/no-such-file.json", **_LATE),
+        _fs("fs-exists-missing-revision", "exists", "rp/api@no-such-branch/config.json", **_LATE),
+        _fs("fs-glob-missing-repo", "glob", "rp/no-such-repo/*.json", **_LATE),
+        _fs("fs-find-missing-repo", "find", "rp/no-such-repo", **_LATE),
+        _fs("fs-cat-file-missing-revision", "cat_file", "rp/api@no-such-branch/config.json",
+            **_LATE),
+        _fs("fs-read-missing-file", "open", "rp/api/no-such-file.json", read=True, **_LATE),
+    ), Requests.ONE_PER_CACHE)
+
+
+def _library_setup(ctx: SetupContext) -> None:
+    """rp/lib-templates: a tiny llama whose tokenizer has a chat template in
+    ``additional_chat_templates/`` (transformers lists that folder and downloads what it finds);
+    rp/lib-ds: a dataset repo of one parquet file; rp/lib-lora: a LoRA adapter of rp/lib-base,
+    and rp/lib-lora-no-weights: its adapter_config.json alone."""
+    folder = _models().tiny_llama(ctx.assets / "rp--lib-templates", seed=48)
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    ctx.hub.add_repo("rp/lib-templates", folder)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = ctx.assets / "rp--lib-ds" / "data"
+    data.mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["a", "b", "c"], "label": [0, 1, 0]}),
+                   data / "train-00000-of-00001.parquet")
+    ctx.hub.add_repo("rp/lib-ds", data.parent, repo_type="dataset")
+    base = _llama(ctx, "rp/lib-base", seed=49, with_tokenizer=False)
+    lora = _models().tiny_lora(ctx.assets / "rp--lib-lora", base, base_repo_id="rp/lib-base",
+                               seed=50)
+    ctx.hub.add_repo("rp/lib-lora", lora)
+    no_weights = ctx.assets / "rp--lib-lora-no-weights"
+    no_weights.mkdir()
+    shutil.copy(lora / "adapter_config.json", no_weights)
+    ctx.hub.add_repo("rp/lib-lora-no-weights", no_weights)
+
+
+# The same APIs as user code's own calls above, reached through the libraries that make them,
+# inside a coordinated load: the leader's answers, errors included, replayed to its followers
+# (test_libraries_reach_the_replayed_apis checks that each step makes the request named here).
+# Rank 0 comes 1 s late, so the followers wait for its attempt: followers 0 requests.
+LIBRARY_API = Scenario(
+    "library-api", (
+        # AutoTokenizer lists additional_chat_templates/ (list_repo_tree) and the repo's files
+        # (list_repo_files), then downloads the template it found.
+        {"name": "tokenizer-templates", "op": "tokenizer", "repo": "rp/lib-templates",
+         "chat_template": True, **_LATE},
+        # The same listing answers 404 (no such folder): transformers catches it and goes on.
+        {"name": "tokenizer-no-templates", "op": "tokenizer", "repo": "rp/fs",
+         "chat_template": True, **_LATE},
+        # transformers resolves the revision first (HfApi.resolve_revision): a missing branch
+        # fails the load with the plain error on every rank.
+        {"name": "config-missing-revision", "op": "config", "repo": "rp/api",
+         "kwargs": {"revision": "no-such-branch"}, **_LATE},
+        {"name": "tokenizer-missing-revision", "op": "tokenizer", "repo": "rp/fs",
+         "kwargs": {"revision": "no-such-branch"}, **_LATE},
+        # A model load's followers start at once (they do not wait for its outcome): they
+        # still end with the leader's error and make no request.
+        {"name": "model-missing-revision", "op": "model", "repo": "rp/api",
+         "kwargs": {"revision": "no-such-branch"}, **_LATE},
+        {"name": "tokenizer-missing-repo", "op": "tokenizer", "repo": "rp/no-such-repo", **_LATE},
+        # datasets' load_dataset asks dataset_info, lists the repo through HfFileSystem and
+        # downloads the data files; a missing dataset or revision fails at its first request
+        # (README.md's HEAD: 404), raised as DatasetNotFoundError.
+        {"name": "dataset", "op": "load_dataset", "repo": "rp/lib-ds", **_LATE},
+        # An adapter repo: transformers 5 resolves its revision (GET /api/models/<repo>), loads
+        # the base model it names, then downloads the adapter's weights itself (peft's own
+        # file_exists is PeftModel.from_pretrained's: tests/test_libraries.py).
+        {"name": "peft-adapter", "op": "model", "repo": "rp/lib-lora", **_LATE},
+        # The adapter's weights are missing (HEAD .safetensors, then .bin: 404) after the base
+        # model was built: every rank raises plain's OSError. Fails today on the RNG: a plain
+        # rank built the base model (its random init) before the error; a follower raises the
+        # leader's error without building it, its RNG state as before the call.
+        {"name": "peft-adapter-no-weights", "op": "model", "repo": "rp/lib-lora-no-weights",
+         **_LATE},
+        {"name": "dataset-missing-repo", "op": "load_dataset", "repo": "rp/no-such-dataset",
+         **_LATE},
+        {"name": "dataset-missing-revision", "op": "load_dataset", "repo": "rp/lib-ds",
+         "kwargs": {"revision": "no-such-branch"}, **_LATE},
+    ), Requests.ONE_PER_CACHE, setup=_library_setup)
+
 # --- under contention (issue 31) ------------------------------------------------------------------
 # The same kinds of job as ``cold`` and ``saved`` (own repos), in a shared cache, while every core
 # is kept busy (``Group.busy_cores``): a follower's waits and the leader's heartbeats run late,
@@ -842,7 +963,8 @@ GROUPS = (
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS, HF_FS, HF_FS_READS,
-                     HF_FS_READS_UNSHARED, HF_FS_ERRORS), nproc=4),
+                     HF_FS_READS_UNSHARED, HF_FS_ERRORS, HUB_API_ERRORS_LATE,
+                     LIBRARY_API), nproc=4),
     Group("two-hosts", (SRUN_SPAWN, RANK0_FIRST_HOSTS), homes="per-host", nproc=2, hosts=2,
           variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("two-nodes", (RANK0_FIRST_SHARED,), homes="shared", nproc=2, nodes=2,
@@ -1209,3 +1331,39 @@ def test_replay_scenarios_take_the_online_path(harness: Harness) -> None:
         times = {rank: report["steps"][f"remote-code/load-{i}"]["attempts"][0]["call_s"]
                  for rank, report in patched.ranks.items()}
         assert all(t <= times[0] + 1.0 for t in times.values()), times
+
+
+# The request each library-api step's library makes (read off the plain run's hub log; the path
+# an fnmatch pattern where it holds the commit), and its answer: what makes the step a test of
+# that replayed API.
+_LIBRARY_REQUESTS: Final = {
+    "tokenizer-templates": [("GET", "/api/models/rp/lib-templates/tree/main/"
+                             "additional_chat_templates", 200),  # list_repo_tree
+                            ("GET", "/api/models/rp/lib-templates/tree/main", 200)],  # files
+    "tokenizer-no-templates": [("GET", "/api/models/rp/fs/tree/main/additional_chat_templates",
+                                404)],
+    "config-missing-revision": [("GET", "/api/models/rp/api/revision/no-such-branch", 404)],
+    "tokenizer-missing-revision": [("GET", "/api/models/rp/fs/revision/no-such-branch", 404)],
+    "tokenizer-missing-repo": [("GET", "/api/models/rp/no-such-repo", 404)],
+    "dataset": [("GET", "/api/datasets/rp/lib-ds", 200),  # dataset_info
+                ("GET", "/api/datasets/rp/lib-ds/tree/*/data", 200)],  # HfFileSystem listing
+}
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_libraries_reach_the_replayed_apis(harness: Harness) -> None:
+    """transformers and datasets make each library-api step's hub API request on every plain
+    rank (the listing of additional_chat_templates/, 200 or 404; the revision resolution; a
+    missing repo's info; load_dataset's dataset_info and listing), and on rank 0 alone patched: its followers got the leader's answer, error
+    included; the tokenizer still carries the template the listing found."""
+    for side, want in (("plain", {0, 1, 2, 3}), ("shm", {0})):
+        job = harness.side("replay", side)
+        for step, requests in _LIBRARY_REQUESTS.items():
+            for method, path, status in requests:
+                ranks = {rank_of(job, r) for r in job.window(f"library-api/{step}")
+                         if (r.method, r.status) == (method, status)
+                         and fnmatch.fnmatchcase(r.path, path)}
+                assert ranks == want, (side, step, method, path, status, ranks)
+    plain = _plain_steps(harness, "replay")
+    for rank, steps in plain.items():
+        assert "tool_use" in _obs(steps["library-api/tokenizer-templates"])["chat_template"]

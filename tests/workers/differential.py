@@ -35,6 +35,9 @@ A step (every key but ``name`` and ``op`` is optional):
   ``path`` (in ``mode``, default ``rb``) and reads it to the end instead, or (``read_sizes``)
   reads each of those sizes in turn (``-1``: the rest). Its result rendered without times
   (:func:`fs_view`).
+* ``chat_template``: for ``tokenizer``: also record the tokenizer's ``chat_template``.
+* ``load_dataset``: ``datasets.load_dataset(repo, *args, **kwargs)``; each split's rows,
+  features, number of rows, split name and fingerprint recorded.
 * ``repo``: repo id or path (``"./ckpt"`` resolves against the rank's working directory);
   ``cls``: the transformers class for ``model`` (default ``AutoModelForCausalLM``);
   ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``).
@@ -312,6 +315,8 @@ def op_tokenizer(step: dict[str, Any]) -> dict[str, Any]:
         extra["pre_tokenizer"] = None if backend is None else \
             json.loads(backend.to_str()).get("pre_tokenizer")
         extra["mistral_ids"] = tok(MISTRAL_SENTENCES)["input_ids"]
+    if step.get("chat_template"):  # what a repo's additional_chat_templates/ added
+        extra["chat_template"] = jsonable(getattr(tok, "chat_template", None))
     return {**extra, "class": type(tok).__name__, "input_ids": tok(SENTENCES)["input_ids"],
             "len": len(tok), "special_tokens": jsonable(tok.special_tokens_map),
             "model_max_length": tok.model_max_length, "name_or_path": norm(tok.name_or_path),
@@ -474,13 +479,29 @@ def op_hf_fs(step: dict[str, Any]) -> dict[str, Any]:
     return {"type": type(result).__name__, "value": jsonable(fs_view(result))}
 
 
+def _dataset_view(dataset: Any) -> dict[str, Any]:
+    return {"rows": jsonable(dataset.to_dict()), "features": jsonable(dataset.features.to_dict()),
+            "num_rows": dataset.num_rows, "split": str(dataset.split),
+            "fingerprint": dataset._fingerprint}
+
+
+def op_load_dataset(step: dict[str, Any]) -> dict[str, Any]:
+    import datasets
+
+    datasets.disable_progress_bars()  # its bars write to stderr only; nothing a rank compares
+    result = datasets.load_dataset(step["repo"], *step.get("args", []), **_kwargs(step))
+    if isinstance(result, datasets.Dataset):
+        return {"dataset": _dataset_view(result)}
+    return {"splits": {name: _dataset_view(split) for name, split in sorted(result.items())}}
+
+
 OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "model": op_model, "config": op_config, "generation_config": op_generation_config,
     "tokenizer": op_tokenizer, "hf_hub_download": op_hf_hub_download,
     "thread_pool": op_thread_pool, "snapshot_download": op_snapshot_download,
     "processor": op_processor, "sentence_transformer": op_sentence_transformer,
     "train": op_train, "model_to": op_model_to, "blob_handles": op_blob_handles,
-    "hub_api": op_hub_api, "hf_fs": op_hf_fs}
+    "hub_api": op_hub_api, "hf_fs": op_hf_fs, "load_dataset": op_load_dataset}
 
 
 # --- running a step -----------------------------------------------------------------------------
