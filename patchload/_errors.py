@@ -144,7 +144,9 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
     """The JSON-able description of ``exc`` a leader publishes: class path, message and, when
     ``exc`` was raised from (or while handling) another exception whose text it does not
     repeat, that root cause as ``"<class name>: <message>"`` (e.g. transformers' "Can't load the
-    model" hides the network error that caused it)."""
+    model" hides the network error that caused it); and, as ``state``, the JSON-able
+    ``exc._patchload_state`` the leader set (what its failed call left in its process, such as
+    the random-number state: :mod:`patchload.coordination.rng`)."""
     cls = type(exc)
     original = getattr(exc, "_patchload_original", None)
     if original is not None:  # a follower error re-published: keep the leader's own class
@@ -156,6 +158,9 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
     root = _root_cause(exc)
     if root is not None and str(root) not in str(exc):
         description["cause"] = f"{type(root).__name__}: {str(root)[:_CAUSE_CHARS]}"
+    state = getattr(exc, "_patchload_state", None)
+    if isinstance(state, dict):  # what the failed call left in the leader's process
+        description["state"] = state
     return description
 
 
@@ -284,8 +289,10 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
     original = _resolve_class(description.get("module", ""), description.get("qualname", ""))
     if original is None:
         name = f"{description.get('module')}.{description.get('qualname')}"
-        return LeaderFailedError(f"{note}: {message} (leader raised {name})", rank=rank,
-                                 leader_rank=leader_rank, cause=message)
+        failed = LeaderFailedError(f"{note}: {message} (leader raised {name})", rank=rank,
+                                   leader_rank=leader_rank, cause=message)
+        failed._patchload_state = description.get("state")
+        return failed
     cls = _follower_class(original)
     exc = _blank(cls)
     BaseException.__init__(exc, message)
@@ -294,6 +301,7 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
     exc.rank = rank
     exc.leader_rank = leader_rank
     exc.cause = message
+    exc._patchload_state = description.get("state")
     if note:
         exc.__notes__ = [note]  # what add_note() sets (Python 3.11+ prints it in tracebacks)
     attributes = description.get("attributes") or {}

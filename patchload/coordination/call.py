@@ -40,6 +40,7 @@ from . import credentials as _credentials
 from . import protocol as _coordinate
 from . import rank0 as _rank0
 from . import replay as _replay
+from . import rng as _rng
 from .key import Unrenderable, credentials_digest, deciding_arguments, digest, process_state
 from .load_state import LoadState
 from .scope import download_scope
@@ -408,28 +409,6 @@ def _as_asked(result: Any, asked_offline: bool) -> Any:
     return result
 
 
-def _rng_state() -> Any:
-    """torch's random-number state: the CPU generator's, and every CUDA device's once CUDA is
-    initialised (a load with ``device_map`` draws there)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.random.get_rng_state(), cuda
-
-
-def _set_rng_state(state: Any) -> None:
-    if state is not None:
-        import torch
-
-        cpu, cuda = state
-        torch.random.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
 @dataclass(frozen=True)
 class Hooks:
     """What a patch adds to a coordinated call beyond the plain call (:func:`coordinated`).
@@ -504,8 +483,18 @@ class _Coordinated:
         # Its HTTP exchanges, published among its pins (a model load's at once).
         record = _replay.Record(lambda key, entry: add_pins(mode, {key: entry})) \
             if _replays() else None
-        with _replay.recording(record):
-            result = self._run(mode, self.hooks.lead_with or self.wrapped, self.kwargs)
+        before = _rng.state()
+        try:
+            with _replay.recording(record):
+                result = self._run(mode, self.hooks.lead_with or self.wrapped, self.kwargs)
+        except Exception as err:
+            # Published with the error: followers that raise it without running their own part
+            # take the random-number state a plain call leaves (coordination.rng).
+            try:
+                err._patchload_state = {"rng": _rng.failure_state(before)}
+            except Exception:  # noqa: BLE001 - an exception that takes no attribute
+                pass
+            raise
         if self.credentials is not None:  # ranks with other credentials: are its repos public?
             with plain():
                 _credentials.publish_verdicts(call, self.credentials, mode.pins)
@@ -535,7 +524,7 @@ class _Coordinated:
             if self.hooks.abandon is not None and _leader_succeeded(mode):
                 self.hooks.abandon(mode)  # e.g. a broadcast this rank is a member of
             return self.own_credentials(call, why)
-        rng = _rng_state()
+        rng = _rng.state()
         if replayed and self.name not in _HUB_DOWNLOADS:  # as asked: see Mode.replayed
             kwargs = self.kwargs
         else:
@@ -564,11 +553,13 @@ class _Coordinated:
                     self.hooks.abandon(mode)
                 # As the view raised it: transformers turns an error inside a hub call into an
                 # OSError of its own.
+                _take_leaders_rng(leader.raised, rng)
                 raise leader.raised from None
             if not _leader_succeeded(mode):
                 if isinstance(leader.raised, LeaderInterruptedError):
                     return self._plain_after(call, role, leader.raised, rng)
                 if leader.failed_early():  # the leader's error, as on a rank that waited for it
+                    _take_leaders_rng(leader.raised, rng)
                     raise leader.raised from None
                 raise
             if self.hooks.abandon is not None:
@@ -631,7 +622,7 @@ class _Coordinated:
         model load already run their own part (:func:`leader_first`'s ``early``) and would
         have to start it again under the new leader; an interrupt is rare, and equality with
         the plain call is what counts."""
-        return self._plain_after(call, role, err, _rng_state())
+        return self._plain_after(call, role, err, _rng.state())
 
     def _check_local(self, mode: Mode) -> None:
         # A model load's leader announces them with its files: its followers check them then,
@@ -665,7 +656,7 @@ class _Coordinated:
         logger.warning("%s: cannot use the leader's result on this rank (%s: %s): making the "
                        "call plainly here", call.prefix(role.leader_rank), type(err).__name__,
                        err)
-        _set_rng_state(rng)  # the rerun may have drawn random numbers a plain call draws once
+        _rng.set_state(rng)  # the rerun may have drawn random numbers a plain call draws once
         with plain():
             return self.wrapped(*self.args, **self.kwargs)
 
@@ -697,6 +688,15 @@ def _leader_answers(leader: _coordinate.LeaderView, what: str) -> _replay.Leader
             leader.wait_pin(key)
 
     return _replay.LeaderAnswers(leader.pin, wait, what)
+
+
+def _take_leaders_rng(err: BaseException | None, start: Any) -> None:
+    """A follower raising its leader's error ``err``: the random-number state the leader's call
+    ended in, where this rank started it from the same (``start``; see
+    :mod:`.rng`). Nothing for the leader's own error or another rank's."""
+    if err is not None and getattr(err, "_patchload_original", None) is not None:
+        state = getattr(err, "_patchload_state", None) or {}
+        _rng.take_leaders(state.get("rng"), start)
 
 
 def _weights_note(mode: Mode) -> str:
@@ -779,7 +779,9 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
                                             idle=hooks.idle, interrupted=one.interrupted)
         except Exception as err:
             # A follower that waited for the outcome raises its leader's error before its own
-            # part: not across credentials (one that started at once decided in follow()).
+            # part: not across credentials (one that started at once decided in follow()). It
+            # ran nothing of the call: its state now is the one it started from.
+            _take_leaders_rng(err, _rng.state())
             leader_rank = getattr(err, "leader_rank", None)
             if (one.credentials is None or leader_rank is None
                     or getattr(err, "_patchload_original", None) is None):
