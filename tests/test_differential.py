@@ -455,6 +455,7 @@ def _late_setup(ctx: SetupContext) -> None:
     _llama(ctx, "late/a", seed=30)
     _llama(ctx, "late/b", seed=31)
     _llama(ctx, "late/alone", seed=32, with_tokenizer=False)
+    _llama(ctx, "late/cached-only", seed=48, with_tokenizer=False)
 
 
 # Rank 0 does its own work first (wandb.init(), rank-0-only data preparation); the others go
@@ -465,6 +466,11 @@ LATE_RANK0 = Scenario(
         {"name": "model-8s", "op": "model", "repo": "late/a", "sleep_before_s": {"0": 8}},
         {"name": "tokenizer-30s", "op": "tokenizer", "repo": "late/b",
          "sleep_before_s": {"0": 30}},
+        # Rank 1 asks the cache only (local_files_only=True) for a repo no rank has downloaded,
+        # the others come 3 s later: it raises at once, as plain, and never waits for rank 0's
+        # download to fill the cache (its call makes no request to share).
+        {"name": "cache-only", "op": "config", "repo": "late/cached-only",
+         "sleep_before_s": {"0": 3, "2": 3}, "kwargs_by_rank": {"1": {"local_files_only": True}}},
     ), Requests.ONE_PER_CACHE, setup=_late_setup)
 
 # Rank 1 makes a call rank 0 never makes, then every rank enters dist.barrier(): rank 1 must not
@@ -1181,6 +1187,10 @@ def test_late_rank0_leads_every_call(harness: Harness) -> None:
     # (a store wait that times out prints two; the waits for rank 0 read instead).
     noise = [line for line in "\n".join(patched.outputs).splitlines() if "waitForInput" in line]
     assert noise == [], noise[:4]
+    # The cache-only call of rank 1 failed at once (the differential comparison checks that it
+    # failed as plain): it did not wait for rank 0, 3 s late.
+    assert _call_s(patched, 1, "late-rank0/cache-only") < 1.5, \
+        _call_s(patched, 1, "late-rank0/cache-only")
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -909,6 +909,8 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         scope = hub_scope = "node"
     call = _coordinate.call_key(name, deciding, scope=scope or hub_scope, topology=topology,
                                 config=config, what=what, watch=_repo_folder(args, kwargs))
+    if kwargs.get("local_files_only") is True or deciding["__offline__"] == "True":
+        call = dataclasses.replace(call, cache_only=True)  # its plain call reads the cache now
     # The process-level parts of the key, which rank 0 publishes: a rank whose parts differ
     # from rank 0's never waits for it (a call with a cache of its own: only that cache).
     facts = {part: deciding[part] for part in _rank0.FACTS if part in deciding

@@ -50,6 +50,9 @@ class Call:
         expected: how many ranks make the call; None: every rank of ``scope``.
         placement: where the call sits in this process's sequence of calls, which the scope's
             rank 0 publishes (:mod:`.rank0`); None: not placed (it waits for rank 0's claim).
+        cache_only: the call reads the cache only (``local_files_only=True``, offline mode):
+            it makes no request, so it never waits for rank 0 (:func:`.protocol.claim`), which
+            would let rank 0's downloads decide what it finds.
     """
 
     key: str
@@ -62,6 +65,7 @@ class Call:
     attempt: int | None = None
     expected: int | None = None
     placement: Placement | None = None
+    cache_only: bool = False
 
     @property
     def keys(self) -> AttemptKeys:

@@ -144,7 +144,9 @@ def claim(call: Call, *, retry_failed: bool = True) -> tuple[Call, Role]:
     failed (its error outcome is published) was not waiting on it: it starts the next attempt
     instead of inheriting that error (a rank-0-only probe, a transient error before a retry).
     A rank that was waiting for rank 0 before rank 0 claimed the attempt follows it to its end,
-    a failure included, however soon it comes.
+    a failure included, however soon it comes. A call that reads the cache only
+    (``call.cache_only``) never waits for rank 0: the first rank to claim it leads (it makes no
+    request), and no download of rank 0's lands in the cache while it waits.
 
     Args:
         call: the call, from :func:`call_key` (placed by :func:`.rank0.place`).
@@ -171,7 +173,7 @@ def _claim(call: Call, *, retry_failed: bool = True
     while True:
         narrowed = dataclasses.replace(call, key=f"{call.key}a{attempt}/", attempt=attempt)
         holder, waited = None, False
-        if attempt == 0 and call.topology.rank != _rank0.scope_rank0(call):
+        if attempt == 0 and not call.cache_only and call.topology.rank != _rank0.scope_rank0(call):
             holder, waited = _rank0.await_rank0(narrowed)
         outcome = None
         with call.store.lock:

@@ -40,7 +40,8 @@ A step (every key but ``name`` and ``op`` is optional):
   features, number of rows, split name and fingerprint recorded.
 * ``repo``: repo id or path (``"./ckpt"`` resolves against the rank's working directory);
   ``cls``: the transformers class for ``model`` (default ``AutoModelForCausalLM``);
-  ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``).
+  ``kwargs``: more arguments (``dtype`` as a name: ``"float32"``, ``"auto"``);
+  ``kwargs_by_rank``: ``{rank: arguments}`` added on that rank only.
 * ``inference_mode``: for ``model``: make the call inside ``torch.inference_mode()`` (true: on
   every rank; a list: on those ranks).
 * ``config_set_attr``: for ``model``: first ``config = AutoConfig.from_pretrained(repo)``, then
@@ -170,6 +171,7 @@ def _dtype(value: Any) -> Any:
 
 def _kwargs(step: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(step.get("kwargs", {}))
+    kwargs.update(step.get("kwargs_by_rank", {}).get(_RANK, {}))
     if "dtype" in kwargs:
         kwargs["dtype"] = _dtype(kwargs["dtype"])
     return kwargs
