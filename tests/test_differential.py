@@ -831,10 +831,9 @@ HF_FS_ERRORS = Scenario(
 # error (the plain class and message) with no request of its own: ONE_PER_CACHE. One step per
 # replayed API, each failing on the leader (a missing repo, revision or file where the API
 # raises; where it answers False instead, that answer).
-# Known to fail now and then: a follower that wakes from its wait for rank 0's claim only after
-# that attempt (a few ms against the loopback hub) published its failure starts an attempt of
-# its own (coordination.protocol._claim reads the outcome after rank0.await_rank0 returned the
-# claim it waited for), and makes one request: one or two steps of 21 in three of six runs here.
+# (A follower waiting for rank 0's claim follows that attempt to its end, even where it wakes
+# only after the attempt, a few ms against the loopback hub, published its failure: before
+# coordination.protocol._claim said so, one or two steps of 21 failed here in three of six runs.)
 _LATE: Final = {"sleep_before_s": {"0": 1}}
 HUB_API_ERRORS_LATE = Scenario(
     "hub-api-errors-late", (
@@ -934,9 +933,10 @@ LIBRARY_API = Scenario(
         # file_exists is PeftModel.from_pretrained's: tests/test_libraries.py).
         {"name": "peft-adapter", "op": "model", "repo": "rp/lib-lora", **_LATE},
         # The adapter's weights are missing (HEAD .safetensors, then .bin: 404) after the base
-        # model was built: every rank raises plain's OSError. Fails today on the RNG: a plain
-        # rank built the base model (its random init) before the error; a follower raises the
-        # leader's error without building it, its RNG state as before the call.
+        # model was built: every rank raises plain's OSError, and ends with plain's random-number
+        # state (a plain rank drew the base model's random init before the error; a follower
+        # raises the leader's error without building it and takes the leader's end state:
+        # coordination.rng).
         {"name": "peft-adapter-no-weights", "op": "model", "repo": "rp/lib-lora-no-weights",
          **_LATE},
         {"name": "dataset-missing-repo", "op": "load_dataset", "repo": "rp/no-such-dataset",
@@ -1243,8 +1243,8 @@ def test_rank0_first_by_a_barrier_decides_the_scope_at_once(
 def test_per_rank_tokens_share_public_repos_and_rank0_warns_once(harness: Harness) -> None:
     """A different HF_TOKEN per rank on public repos: followers make no more requests than with
     one token (none in the Trainer-style job), every call on every rank, and all of a rank's
-    calls together, take at most 1 s longer than the same job with one token, and rank 0 logs one WARNING naming the ranks whose
-    credentials differ (none with one token)."""
+    calls together, take at most 1 s longer than the same job with one token, and rank 0 logs
+    one WARNING naming the ranks whose credentials differ (none with one token)."""
     patched = harness.side("per-rank-tokens", "shm")
     one = harness.side("per-rank-tokens", "one-token")
     steps = PER_RANK_TOKENS.step_names() + TOKENS_COLD.step_names()
