@@ -1364,8 +1364,9 @@ _LIBRARY_REQUESTS: Final = {
 def test_libraries_reach_the_replayed_apis(harness: Harness) -> None:
     """transformers and datasets make each library-api step's hub API request on every plain
     rank (the listing of additional_chat_templates/, 200 or 404; the revision resolution; a
-    missing repo's info; load_dataset's dataset_info and listing), and on rank 0 alone patched: its followers got the leader's answer, error
-    included; the tokenizer still carries the template the listing found."""
+    missing repo's info; load_dataset's dataset_info and listing), and on rank 0 alone patched:
+    its followers got the leader's answer, error included; the tokenizer still carries the
+    template the listing found."""
     for side, want in (("plain", {0, 1, 2, 3}), ("shm", {0})):
         job = harness.side("replay", side)
         for step, requests in _LIBRARY_REQUESTS.items():
