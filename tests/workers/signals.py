@@ -22,6 +22,9 @@ import sys
 import time
 
 os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{os.environ.get('RANK', '0')}"
+# Ctrl-C raises KeyboardInterrupt, as in a script started from a terminal: a test run started
+# in the background by a non-interactive shell hands its processes SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if os.environ.get("PLT_OWN_CACHE") == "1":
     os.environ["HF_HOME"] = os.path.join(os.environ["HF_HOME"], f"rank-{os.environ['RANK']}")
 
