@@ -30,9 +30,9 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    (same node: its pid), or when its own key holds a process-level part that differs from rank
    0's (another cache or endpoint: rank 0 can never make that key; credentials are not part
    of a key, see :mod:`.credentials`). A waiting rank reads that state every 0.5 s
-   and the key it waits for (rank 0's entry, or its claim) after 1 ms, 2 ms, 4 ms ... and then
-   every 0.25 s: about 6 store requests per second per waiting rank, only while rank 0 is
-   behind. Reads, not a store wait: a store wait that times out prints c10d warnings on
+   and the key it waits for (rank 0's entry, or its claim) after 0.5 ms, then 1.5 times as long
+   each time, at most every 0.25 s: about 6 store requests per second per waiting rank, only
+   while rank 0 is behind. Reads, not a store wait: a store wait that times out prints c10d warnings on
    stderr.
 4. **Fallback.** A rank 0 that is alive, behind and not blocked is waited for at most
    ``PATCHLOAD_CLAIM_GRACE`` seconds (120), with a WARNING every ``PATCHLOAD_PROGRESS_WARNING``
@@ -80,9 +80,10 @@ logger = get_logger(__name__)
 
 _SHOW_AFTER_S: Final = 0.2  # a collective shorter than this is never published
 _SLICE_S: Final = 0.5  # a waiting rank reads rank 0's state this often
-# A waiting rank reads the key it waits for after 1 ms, then twice as long each time, at most
-# every 0.25 s (see _poll).
-_FIRST_POLL_S: Final = 0.001
+# A waiting rank reads the key it waits for after 0.5 ms, then 1.5 times as long each time, at
+# most every 0.25 s (see _poll): it notices rank 0 at most a third of its wait late.
+_FIRST_POLL_S: Final = 0.0005
+_POLL_GROWTH: Final = 1.5
 _MAX_POLL_S: Final = 0.25
 _RECENT: Final = 2  # a rank's latest calls rank 0 has not made (yet), to anchor on later
 _PASSED_SCAN: Final = 16  # positions below the expected one a waiting rank looks at
@@ -663,18 +664,19 @@ def _matched(placement: Placement | None, theirs: int) -> None:
 
 def _poll(store: JobStore, key: str, timeout_s: float, poll_s: float) -> float:
     """Return once ``key`` exists or after ``timeout_s`` seconds, reading it after ``poll_s``
-    seconds, then twice as long each time (at most :data:`_MAX_POLL_S`); returns the interval
-    to go on with. Reads, not a store ``wait``: a store wait that times out makes c10d print
-    two ``waitForInput ... timed out`` warnings on stderr, which a plain rank never shows, and
-    rank 0 may be behind for many slices. About as many requests while rank 0 is seconds
-    behind (4-6 a second with the state reads), at most 0.25 s later once it comes."""
+    seconds, then 1.5 times as long each time (at most :data:`_MAX_POLL_S`); returns the
+    interval to go on with. Reads, not a store ``wait``: a store wait that times out makes c10d
+    print two ``waitForInput ... timed out`` warnings on stderr, which a plain rank never shows,
+    and rank 0 may be behind for many slices. About 15 reads in the first 0.5 s, then 4 a second
+    (6 with the state reads); rank 0's claim is seen at most a third of the wait, and 0.25 s,
+    after it came."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             return poll_s
         time.sleep(min(poll_s, left))
-        poll_s = min(poll_s * 2, _MAX_POLL_S)
+        poll_s = min(poll_s * _POLL_GROWTH, _MAX_POLL_S)
         with store.lock:
             if _read(store, key) is not None:
                 return poll_s
