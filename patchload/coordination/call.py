@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from typing import Any, Callable, Final, Iterator
 from .. import _state
 from .._errors import LeaderInterruptedError
 from .._logging import get_logger
-from .._topology import current_topology
+from .._topology import Topology, current_topology
 from . import credentials as _credentials
 from . import protocol as _coordinate
 from . import rank0 as _rank0
@@ -198,16 +199,30 @@ def context_patches() -> list[Any]:
 # --- pins: what a call used ------------------------------------------------------------------
 
 def _pin_of(path: str) -> list[Any] | None:
-    """``[commit, blob, size]`` of a file or snapshot folder a hub function returned."""
-    real = os.path.realpath(path)
+    """``[commit, blob, size]`` of a file or snapshot folder a hub function returned: the blob
+    is the name of the file its path resolves to (``os.path.realpath``)."""
     parts = os.path.normpath(path).split(os.sep)
     commit = parts[parts.index("snapshots") + 1] if "snapshots" in parts[:-1] else ""
     try:
-        if os.path.isdir(real):  # a snapshot: its commit (files may be added to it later)
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):  # a snapshot: its commit (files may be added to it later)
             return [commit, "snapshot"]
-        return [commit, os.path.basename(real), os.path.getsize(real)]
+        return [commit, _resolved_name(path), st.st_size]
     except OSError:
         return None
+
+
+def _resolved_name(path: str) -> str:
+    """``os.path.basename(os.path.realpath(path))`` of an existing file, in one or two system
+    calls where the cache's layout holds (a snapshot file is a link to its blob, or a copy)
+    rather than one per component of the path: only the last link decides the name."""
+    try:
+        target = os.readlink(path)
+    except OSError:  # not a link (a copied file): its own name
+        return os.path.basename(os.path.normpath(path))
+    if os.path.islink(os.path.join(os.path.dirname(path), target)):  # a chain of links
+        return os.path.basename(os.path.realpath(path))
+    return os.path.basename(target)
 
 
 def _metadata_pin(local_dir: str, name: str) -> list[Any]:
@@ -734,7 +749,10 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         The leader's exception, on every rank of the scope that waited for that attempt (see
         :func:`patchload.coordination.protocol.leader_first`).
     """
-    if _PLAIN.get() or not _state.active() or not current_topology().distributed:
+    if _PLAIN.get() or not _state.active():
+        return wrapped(*args, **kwargs)
+    topology = current_topology()
+    if not topology.distributed:
         return wrapped(*args, **kwargs)
     mode = _MODE.get()
     deciding: dict[str, str] = {}
@@ -746,14 +764,14 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         if nested and not mode.lead:
             return _nested(mode, name, wrapped, args, kwargs)  # a follower reruns it offline
         if nested and not (mode.call.scope == "node" and not hooks.loads_model and download_scope(
-                _state.config(), current_topology(), job_store()) == "job"):
+                _state.config(), topology, job_store()) == "job"):
             return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **kwargs))
         # Top level, or (job-scoped downloads) nested in a node leader's call: the node leaders
         # coordinate it among themselves.
         try:
             call, deciding = _call_of(name, wrapped, args, kwargs, what=hooks.what,
                                       scope=hooks.scope, nested=mode is not None,
-                                      loads_model=hooks.loads_model)
+                                      loads_model=hooks.loads_model, topology=topology)
         except Unrenderable as err:
             logger.info("%s: not coordinated (%s): every rank makes this call itself", hooks.what,
                         err)
@@ -876,18 +894,18 @@ def _cache_dir(kwargs: dict[str, Any]) -> str:
 
 def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any], *, what: str, scope: str | None, nested: bool,
-             loads_model: bool) -> tuple[_coordinate.Call, dict[str, str]]:
+             loads_model: bool, topology: Topology) -> tuple[_coordinate.Call, dict[str, str]]:
     """The call to coordinate and its rendered arguments (with :func:`process_state`'s parts;
     ``loads_model``: the call loads a model, so the inference mode it runs in counts).
 
     ``nested``: the call is made inside a coordinated one (a model inside a sentence-transformers
     model): its ``local_files_only`` / ``force_download`` are then the enclosing call's, which a
     follower sets itself, so they are left out of the key (the enclosing call's key holds them).
+    ``topology``: this rank's, as the caller read it (:func:`current_topology`).
 
     Raises:
         Unrenderable: an argument has no stable rendering (the call is not matched).
     """
-    topology = current_topology()
     config = _state.config()
     deciding = deciding_arguments(wrapped, args, kwargs)
     if nested:
