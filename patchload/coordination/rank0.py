@@ -31,8 +31,9 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    0's (another cache or endpoint: rank 0 can never make that key; credentials are not part
    of a key, see :mod:`.credentials`). A waiting rank reads that state every 0.5 s
    and the key it waits for (rank 0's entry, or its claim) after 0.5 ms, then 1.5 times as long
-   each time, at most every 0.25 s: about 6 store requests per second per waiting rank, only
-   while rank 0 is behind. Reads, not a store wait: a store wait that times out prints c10d warnings on
+   each time, at most every 0.25 s (and after 0.5 ms again once rank 0's entry for the call
+   is there: its claim follows within a ms): about 6 store requests per second per waiting
+   rank, only while rank 0 is behind. Reads, not a store wait: a store wait that times out prints c10d warnings on
    stderr.
 4. **Fallback.** A rank 0 that is alive, behind and not blocked is waited for at most
    ``PATCHLOAD_CLAIM_GRACE`` seconds (120), with a WARNING every ``PATCHLOAD_PROGRESS_WARNING``
@@ -516,6 +517,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None
             if found is not None:
                 _matched(placement, int(found))
                 matched = fresh = True
+                poll_s = _FIRST_POLL_S  # its claim follows within a ms: read soon again
                 continue
             # Rank 0's entries from where this call belongs, past this process's own calls
             # (other threads): the first other one shows that rank 0 passed this call by.
@@ -529,6 +531,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None
             if at == base:
                 _matched(placement, expected)
                 matched = fresh = True
+                poll_s = _FIRST_POLL_S
                 continue
             if at is None:
                 # Nothing there yet: rank 0 is behind, unless this process counted calls rank 0
