@@ -1199,6 +1199,67 @@ def test_a_rank_there_before_rank0s_claim_is_told_it_waited_for_that_attempt() -
         claim.join()
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_reads_rank0s_claim_soon_once_rank0_reached_the_call(monkeypatch) -> None:
+    """Rank 1 waits for a late rank 0 to reach a call, reading less often as the wait grows;
+    rank 0's claim follows its entry within a ms, so once the entry is there rank 1 reads the
+    claim after the first interval again, not after the grown one (which made it start 30-60 ms
+    after its leader). The entry and the claim are written from inside rank 1's reads: no
+    timing decides what is seen."""
+    import dataclasses
+    import uuid
+
+    from patchload.coordination import rank0
+
+    _, call_of = _two_rank_calls("soon", Config(claim_grace_s=20.0, progress_warning_s=None))
+    namespace, zero, one = f"u{uuid.uuid4().hex[:8]}", call_of(0), call_of(1)
+    key = f"{namespace}/soon/"
+    placed = rank0.place(dataclasses.replace(one, key=key), nested=False)
+    real_poll, waits = rank0._poll, []
+
+    def poll(store, waited_for, timeout_s, poll_s):
+        waits.append((waited_for, poll_s))
+        if waited_for == key + "leader":
+            zero.store.store.set(key + "leader", "rank 0")
+        elif len(waits) == 2:  # rank 1 has waited a whole slice for rank 0: it reaches the call
+            zero.store.store.multi_set([f"seqkey/{key}", f"seq/{namespace}/top/1"], ["1", key])
+        return real_poll(store, waited_for, timeout_s, poll_s)
+
+    monkeypatch.setattr(rank0, "_poll", poll)
+    assert rank0.await_rank0(placed) == ("rank 0", True)
+    (entry_waits, claim_waits) = ([p for k, p in waits if k != key + "leader"],
+                                  [p for k, p in waits if k == key + "leader"])
+    assert entry_waits[-1] > 10 * rank0._FIRST_POLL_S, waits  # the interval had grown
+    assert claim_waits == [rank0._FIRST_POLL_S], waits
+
+
+def test_a_pin_names_the_file_its_path_resolves_to(tmp_path) -> None:
+    """A hub file's pin (``[commit, blob, size]``) names the file its path resolves to, as
+    ``os.path.realpath`` does, for every layout a cache may have: a snapshot link to its blob, a
+    chain of links, a copied file, a file under a linked folder; a snapshot folder pins its
+    commit; a missing file pins None. (The pin reads the last link only.)"""
+    import os
+
+    from patchload.coordination.call import _pin_of
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    (blobs / "b1").write_text("weights")
+    (snapshot / "link").symlink_to("../../blobs/b1")
+    (snapshot / "chain").symlink_to("link")
+    (snapshot / "copy.json").write_text("{}")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "z.json").write_text("[]")
+    (snapshot / "folder").symlink_to(tmp_path / "real")
+    for name, size in (("link", 7), ("chain", 7), ("copy.json", 2), ("folder/z.json", 2)):
+        path = str(snapshot / name)
+        assert _pin_of(path) == ["abc123", os.path.basename(os.path.realpath(path)), size]
+    assert _pin_of(str(snapshot / "chain"))[1] == "b1"
+    assert _pin_of(str(snapshot)) == ["abc123", "snapshot"]
+    assert _pin_of(str(snapshot / "missing")) is None
+
+
 def test_a_leaders_transport_error_is_rebuilt_of_its_class_or_not_at_all() -> None:
     """A follower replaying the leader's HTTP record raises the leader's transport error of its
     own class (httpx's with the follower's request; evaluate's requests errors from the message
