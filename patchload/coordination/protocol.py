@@ -166,8 +166,7 @@ def _claim(call: Call, *, retry_failed: bool = True
     """:func:`claim`, and the attempt's outcome where a follower found it already published
     (None: not read, or not there yet): a late follower then needs no second read of it."""
     # The claim carries the leader's credentials digest: a follower compares its own with it
-    # without reading every rank's reports (.credentials).
-    # (Read once per call: the key's placement holds it where the call was placed with it.)
+    # without reading every rank's reports (.credentials). A placed call holds it already.
     placed = dict(call.placement.facts) if call.placement is not None else {}
     me = json.dumps({"rank": call.topology.rank, "pid": os.getpid(), "node": node_id(),
                      "credentials": placed.get("__credentials__") or credentials_digest()})
