@@ -166,6 +166,52 @@ def test_zero_copy_followers_load_alongside_their_leader(transport_job: Job, cas
     assert len(followers) == (1 if case == "mismatch" else N - 1), (case, followers)
 
 
+@pytest.fixture(scope="module")
+def slow_leader_job(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """N=3, ``load.py --slow-leader``: rank 0 sleeps after reading its generation config (after
+    the weights), then fails before reading it."""
+    root = tmp_path_factory.mktemp("slow-leader")
+    return run_torchrun(hub, "load", ["--slow-leader"], nproc=N, env=_env(hub, root),
+                        timeout_s=JOB_TIMEOUT_S).check_ok()
+
+
+@pytest.mark.tf4
+@pytest.mark.timeout(400)
+def test_followers_finish_their_load_while_the_leader_finishes_its_own(
+        slow_leader_job: Job, reference: dict[str, Any]) -> None:
+    """Where followers load alongside their leader (zero-copy), what the load reads after the
+    weights (the generation config) is read once the leader's same hub call returned, not once
+    its whole load did: rank 0 sleeps 3 s after reading it, and its followers have read theirs
+    by then. Every rank's model equals plain."""
+    records = step_records(slow_leader_job, "slow_after_weights")
+    for rank, record in records.items():
+        assert diff_fingerprints(record["fingerprint"],
+                                 reference["steps"]["llama"]["fingerprint"]) == [], rank
+    if TRANSFORMERS_4:
+        pytest.skip("transformers 4: followers take the leader's tensors, after its outcome "
+                    "(nothing runs alongside it); equality with plain checked above")
+    leader_returned = records[0]["returned"]
+    for rank in range(1, N):
+        assert _ALONGSIDE in "\n".join(records[rank]["patchload"]), (rank, records[rank])
+        ahead = leader_returned - records[rank]["generation_config_read"]
+        assert ahead > 1.5, f"rank {rank} read its generation config {ahead:.2f} s before " \
+                            "the leader returned (it sleeps 3 s after reading its own)"
+
+
+@pytest.mark.tf4
+@pytest.mark.timeout(400)
+def test_a_leader_failing_after_its_weights_fails_its_followers_alike(
+        slow_leader_job: Job) -> None:
+    """Rank 0 raises after its weights (before its generation config): followers, which may
+    have loaded every weight alongside it, raise its error as a plain load would."""
+    errors = check_same_error_everywhere(slow_leader_job, "fails_after_weights", within_s=5)
+    for rank, error in errors.items():
+        assert error["type"] == "RuntimeError", (rank, error)
+        assert error["message"] == "injected: rank 0 fails after its weights", (rank, error)
+        assert rank == 0 or error["leader_rank"] == 0 and \
+            "failed on the leader; this is its error" in error["notes"][0], (rank, error)
+
+
 def _pool_threads(record: dict[str, Any]) -> list[str]:
     return [name for name in record["threads"]
             if name.startswith("convert_and_load_state_dict_in_model:")]

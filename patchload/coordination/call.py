@@ -573,7 +573,9 @@ class _Coordinated:
             if not _leader_succeeded(mode):
                 if isinstance(leader.raised, LeaderInterruptedError):
                     return self._plain_after(call, role, leader.raised, rng)
-                if leader.failed_early():  # the leader's error, as on a rank that waited for it
+                # The leader's error, as on a rank that waited for it: it failed before its
+                # files, or this rank loaded alongside it (its part ran on the leader's files).
+                if leader.failed_early() or mode.load.alongside:
                     _take_leaders_rng(leader.raised, rng)
                     raise leader.raised from None
                 raise
@@ -841,13 +843,11 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
     requests are replayed (``mode.replayed``: a revision resolution gets the leader's answer,
     or its error), else offline; a hub download or revision recorded, to be verified against
     the leader's; once the leader's same call returned (a model load's followers start at once:
-    :meth:`Mode.wait_pin`). In a call whose
-    weights this rank loads alongside its leader (``load.alongside``), after the leader's
-    outcome: the files the leader resolves after loading (a generation config) are in the cache
-    only then."""
-    if mode.load.alongside:
-        mode.payload  # noqa: B018 - waits for the outcome; raises the leader's failure
-    elif name in _PINNED and not _IN_SNAPSHOT.get():
+    :meth:`Mode.wait_pin`), also after weights this rank loads alongside its leader
+    (``load.alongside``): a file the leader resolves after them (a generation config) is in the
+    cache once its pin is published, so the rest of this rank's load runs while the leader's
+    does. The leader's outcome is waited for at the end (:meth:`_Coordinated.follow`)."""
+    if name in _PINNED and not _IN_SNAPSHOT.get():
         mode.wait_pin(_pin_key(name, args, kwargs))
     if mode.replayed and name not in _HUB_DOWNLOADS:  # its requests get the leader's answers
         return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **kwargs))

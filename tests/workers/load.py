@@ -10,6 +10,11 @@ Usage: ``load.py --cases a,b,... [--extras] [--rank0-tail] [--reference]``
 * ``--rank0-tail``: at the end, every rank but 0 exits; rank 0 alone loads one more model.
 * ``--reference``: world size 1 with ``PATCHLOAD=0``: run the cases of every rank (the mismatch
   case differs by rank) plus the SGD step, as the plain-load reference.
+* ``--slow-leader``: two steps loading ``org/llama`` (zero-copy on transformers 5 with the shm
+  transport), each changing rank 0's ``GenerationConfig.from_pretrained`` (read after the
+  weights): ``slow_after_weights``, rank 0 sleeps ``LEADER_DELAY_S`` after reading it;
+  ``fails_after_weights``, rank 0 raises before reading it. Records (``time.time()``) when each
+  rank read its generation config and when its load returned.
 * ``--concurrent a,b,c --rounds R``: R steps ``concurrent-<i>``, each loading every listed repo
   (``AutoModelForCausalLM``) at once, the first in the main thread and each other one in a
   thread of its own (user code loading several models concurrently); ``record["repos"][repo]``
@@ -110,6 +115,41 @@ def _concurrent(report: dict, barrier: _common.Barrier, repos: list[str], rounds
             record["repos"] = results
 
 
+LEADER_DELAY_S = 3.0
+
+
+def _slow_leader(report: dict, barrier: _common.Barrier) -> None:
+    """The ``--slow-leader`` steps (see the module docstring)."""
+    from transformers import GenerationConfig
+
+    patched = GenerationConfig.__dict__["from_pretrained"]  # patchload's wrapper
+    for step_name in ("slow_after_weights", "fails_after_weights"):
+        with _common.step(report, step_name, barrier) as record:
+            def read(cls: type, *args: object, _record: dict = record, _step: str = step_name,
+                     **kwargs: object) -> object:
+                if RANK == 0 and _step == "fails_after_weights":
+                    raise RuntimeError("injected: rank 0 fails after its weights")
+                config = patched.__get__(None, cls)(*args, **kwargs)
+                _record["generation_config_read"] = time.time()
+                if RANK == 0:
+                    time.sleep(LEADER_DELAY_S)
+                return config
+
+            GenerationConfig.from_pretrained = classmethod(read)
+            try:
+                with _common.patchload_lines() as lines:
+                    result = _common.attempt(
+                        lambda: AutoModelForCausalLM.from_pretrained("org/llama"))
+            finally:
+                GenerationConfig.from_pretrained = patched
+            record["returned"] = time.time()
+            record["patchload"] = lines
+            if result["ok"]:
+                record["fingerprint"] = _common.fingerprint(result["value"])
+            else:
+                record["error"] = result["error"]
+
+
 def _tied(model: object) -> bool | None:
     """``lm_head.weight is input embedding weight`` for causal LMs, else None."""
     head = getattr(model, "lm_head", None)
@@ -166,6 +206,7 @@ def body(report: dict) -> None:
     parser.add_argument("--minilm", action="store_true")
     parser.add_argument("--concurrent", default="")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--slow-leader", action="store_true")
     args = parser.parse_args()
     report["installed"] = patchload.is_installed()
     report["config"] = repr(patchload.load_config())
@@ -183,6 +224,8 @@ def body(report: dict) -> None:
         _minilm(report, barrier, counter)
     if args.concurrent:
         _concurrent(report, barrier, args.concurrent.split(","), args.rounds)
+    if args.slow_leader:
+        _slow_leader(report, barrier)
     if args.reference:
         with _common.step(report, "sgd", None) as record:
             record.update(_sgd_step(AutoModelForCausalLM.from_pretrained("org/llama-tied")))
