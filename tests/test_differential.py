@@ -441,7 +441,8 @@ def _rank0_first(name: str, repo: str, seed: int, **kwargs: Any) -> Scenario:
     return Scenario(name, (
         {"name": "rank0", "op": "model", "repo": repo, "ranks": [0], "dist_barrier": True},
         {"name": "others", "op": "model", "repo": repo, "ranks": [1, 2, 3]},
-    ), Requests.ONE_PER_CACHE, setup=_serve_llama(repo, seed), **kwargs)
+    ), Requests.ONE_PER_CACHE, setup=_serve_llama(repo, seed, hidden_size=512, num_layers=8),
+        **kwargs)  # 75 MB: rank 0's load is long enough to compare with plain
 
 
 RANK0_FIRST_HOSTS = _rank0_first("rank0-first-hosts", "first/hosts", 24)
@@ -1220,8 +1221,10 @@ def test_a_call_rank0_never_makes_waits_nothing_while_rank0_is_in_a_barrier(
 def test_rank0_first_by_a_barrier_decides_the_scope_at_once(
         harness: Harness, group: str, scenario: str, scope: str) -> None:
     """Two nodes of two ranks; rank 0 loads while the others wait in ``dist.barrier()``, then
-    they load. Rank 0's load takes at most 1.2x plain (+1 s: patchload's set-up on a tiny
-    model): it never waits for the other node to decide the download scope. The scope is right:
+    they load. Rank 0's load (75 MB) takes at most 1.2x plain: it never waits for the other
+    node to decide the download scope, and on one cache waits 0.3 s for the other node's
+    leader, blocked in the barrier, before it shares the weights with the node leaders that
+    arrive (docs/design.md). The scope is right:
     on a cache per host (``node``) one rank of node 1 downloads and rank 1 makes no request; on
     one cache the nodes share (``job``) no rank makes a request after rank 0. Which rank of node 1
     downloads is a race: these hosts build their group by hand (``mp.spawn`` under ``srun``), so
@@ -1231,7 +1234,7 @@ def test_rank0_first_by_a_barrier_decides_the_scope_at_once(
     _skip_if_no_hosts(group)
     plain, patched = harness.side(group, "plain"), harness.side(group, "shm")
     step = f"{scenario}/rank0"
-    assert _call_s(patched, 0, step) <= 1.2 * _call_s(plain, 0, step) + 1.0, (
+    assert _call_s(patched, 0, step) <= 1.2 * _call_s(plain, 0, step), (
         _call_s(plain, 0, step), _call_s(patched, 0, step))
     senders = set(requests_per_rank(patched, f"{scenario}/others"))
     assert senders in (({2}, {3}) if scope == "node" else (set(),)), senders

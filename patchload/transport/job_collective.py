@@ -58,8 +58,8 @@ def _await_arrivals(call: Call) -> None:
     """Wait at most ``PATCHLOAD_ARRIVAL_WINDOW`` seconds for every member to arrive, or less:
     between node leaders (the hierarchy), the wait ends once each other node's leader that has
     not arrived is blocked in one of the user's ``torch.distributed`` collectives, as its
-    published state (:mod:`patchload.coordination.rank0`) shows twice, 0.3 s apart: it arrives
-    only after this call (rank 0 first, the others in ``dist.barrier()``) and loads from the
+    published state (:mod:`patchload.coordination.rank0`) shows twice, 0.3 s apart (the first
+    look as soon as the leader has loaded): it arrives only after this call (rank 0 first, the others in ``dist.barrier()``) and loads from the
     cache. Under ``PATCHLOAD_TRANSPORT=collective`` the full window (other ranks publish no
     state)."""
     store, topology, window = call.store, call.topology, call.config.arrival_window_s
@@ -74,15 +74,16 @@ def _await_arrivals(call: Call) -> None:
     leaders = [topology.node_ranks(n)[0] for n in range(topology.num_nodes) if n != mine]
     deadline = time.monotonic() + window
     blocked_since = None
-    while not store.wait_for(call.keys.arrivals_all,
-                             min(_BLOCKED_SHOWN_S, deadline - time.monotonic()), wake=wake):
+    while True:
+        # The first look at once: a rank 0 whose load the others wait for in a barrier waits
+        # _BLOCKED_SHOWN_S for them, not twice that.
         now = time.monotonic()
-        if now >= deadline:
-            return
         with store.lock:
             missing = [r for r in leaders if not store.store.check([call.keys.arrived(r)])]
             states = [json.loads(store.store.get(f"ranks/{r}/state"))
                       if store.store.check([f"ranks/{r}/state"]) else None for r in missing]
+        if not missing:
+            return
         if all(state and state.get("blocked") for state in states):
             blocked_since = now if blocked_since is None else blocked_since
             if now - blocked_since >= _BLOCKED_SHOWN_S:
@@ -91,6 +92,9 @@ def _await_arrivals(call: Call) -> None:
                 return
         else:
             blocked_since = None
+        if now >= deadline or store.wait_for(call.keys.arrivals_all,
+                                             min(_BLOCKED_SHOWN_S, deadline - now), wake=wake):
+            return
 
 
 def _set(call: Call, key: str) -> None:
