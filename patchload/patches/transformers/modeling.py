@@ -108,9 +108,10 @@ def _load_alongside(wrapped: Callable[..., Any], mode: Mode, args: tuple[Any, ..
                     kwargs: dict[str, Any], state: dict[str, Any]) -> Any:
     """Follower of a zero-copy load: transformers' own step, reading ``state`` (the checkpoint
     files mapped, :func:`patchload.transport.mapped_files.mapped_state_dict`) where it would open
-    them, while the leader loads. The hub calls the rest of the call makes (a generation config)
-    wait for the leader's outcome first (:func:`patchload.coordination.call._nested`): the
-    leader fetches those files after its weights."""
+    them, while the leader loads. Each hub call the rest of the call makes (a generation config,
+    which the leader fetches after its weights) waits for the leader's same call to return
+    (:func:`patchload.coordination.call._nested`); the leader's outcome is waited for at the
+    end of the call."""
     if len(args) > 1:
         args = (args[0], state, *args[2:])
     else:
