@@ -313,6 +313,7 @@ def test_a_follower_whose_leader_failed_after_announcing_its_files_runs_its_own_
         except ValueError as err:  # the leader's error, at the reading step
             seen["payload"] = type(err).__mro__[1].__name__
         seen["failed_early"] = leader.failed_early()  # no: it announced its files first
+        seen["failed"] = leader.failed()  # it published its error
         raise KeyError("this rank's own build failed")
 
     def follower() -> None:
@@ -333,8 +334,30 @@ def test_a_follower_whose_leader_failed_after_announcing_its_files_runs_its_own_
             break
         threading.Event().wait(0.1)
     assert seen == {"leader": "the leader's own __init__ failed", "followed": True,
-                    "payload": "ValueError", "failed_early": False,
+                    "payload": "ValueError", "failed_early": False, "failed": True,
                     "follower": "KeyError(\"this rank's own build failed\")"}, seen
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_failed_only_where_it_published_an_error() -> None:
+    """``LeaderView.failed``: true once the leader published an error outcome, false before
+    any outcome (a leader that died or went silent publishes none: a zero-copy follower's own
+    error then stands) and after a success."""
+    import dataclasses
+
+    from patchload.coordination import protocol
+    from patchload.coordination.calls import Role
+
+    _, call_of = _two_rank_calls("failed-or-not")
+    role = Role(False, 0, 1, "node")
+    for name, outcome, failed in (("none", None, False), ("ok", {"ok": True}, False),
+                                  ("error", {"ok": False, "error": {"message": "m"}}, True)):
+        zero, one = call_of(0), call_of(1)
+        zero, one = (dataclasses.replace(c, key=f"{c.key}{name}/") for c in (zero, one))
+        if outcome is not None:
+            protocol.publish(zero, outcome)
+        view = protocol.LeaderView(one, role)
+        assert (view.failed(), view.failed_early()) == (failed, failed), name
 
 
 @pytest.mark.timeout(60)

@@ -574,8 +574,10 @@ class _Coordinated:
                 if isinstance(leader.raised, LeaderInterruptedError):
                     return self._plain_after(call, role, leader.raised, rng)
                 # The leader's error, as on a rank that waited for it: it failed before its
-                # files, or this rank loaded alongside it (its part ran on the leader's files).
-                if leader.failed_early() or mode.load.alongside:
+                # files, or after them where this rank loaded alongside it (its own offline
+                # calls then miss what the leader never fetched). A leader that died or went
+                # silent published no error: this rank's own stands.
+                if leader.failed_early() or (mode.load.alongside and leader.failed()):
                     _take_leaders_rng(leader.raised, rng)
                     raise leader.raised from None
                 raise

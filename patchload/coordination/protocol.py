@@ -482,15 +482,19 @@ class LeaderView:
             return ((outcome.get("payload") or {}).get("pins") or {}).get(key, default)
         return default
 
+    def failed(self) -> bool:
+        """Whether the leader published a failure of its own (an error outcome; does not wait).
+        Its death, its silence and this view's timeout publish none: False."""
+        if self._outcome is None:
+            with self.call.store.lock:
+                self._outcome = _published(self.call)
+        return self._outcome is not None and not self._outcome.get("ok")
+
     def failed_early(self) -> bool:
         """Whether the leader published a failure before announcing its files (does not wait):
         a follower that started at once then ends with the leader's error, whatever its own
         part did, as if it had waited for the leader before starting."""
-        if self._outcome is None:
-            with self.call.store.lock:
-                self._outcome = _published(self.call)
-        return (self._outcome is not None and not self._outcome.get("ok")
-                and not _announced(self.call))
+        return self.failed() and not _announced(self.call)
 
     def _wait(self, until: Callable[[], bool] | None) -> dict[str, Any] | None:
         if self._idle is not None or self._gone is not None:

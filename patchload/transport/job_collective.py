@@ -59,9 +59,9 @@ def _await_arrivals(call: Call) -> None:
     between node leaders (the hierarchy), the wait ends once each other node's leader that has
     not arrived is blocked in one of the user's ``torch.distributed`` collectives, as its
     published state (:mod:`patchload.coordination.rank0`) shows twice, 0.3 s apart (the first
-    look as soon as the leader has loaded): it arrives only after this call (rank 0 first, the others in ``dist.barrier()``) and loads from the
-    cache. Under ``PATCHLOAD_TRANSPORT=collective`` the full window (other ranks publish no
-    state)."""
+    look as soon as the leader has loaded): it arrives only after this call (rank 0 first, the
+    others in ``dist.barrier()``) and loads from the cache. Under
+    ``PATCHLOAD_TRANSPORT=collective`` the full window (other ranks publish no state)."""
     store, topology, window = call.store, call.topology, call.config.arrival_window_s
 
     def wake() -> None:

@@ -157,8 +157,8 @@ def _files_resolved(wrapped: Callable[..., Any], instance: Any, args: tuple[Any,
                     kwargs: dict[str, Any]) -> Any:
     """``transformers.modeling_utils._get_dtype``, which ``from_pretrained`` calls once the
     config and every checkpoint file are resolved: a leader announces its files here, with their
-    layout (what followers resolve after this, the generation config, they resolve after the
-    leader's outcome)."""
+    layout (what followers resolve after this, the generation config, they resolve once the
+    leader's same hub call returned)."""
     mode = current_mode()
     if mode is not None and mode.lead and mode.loads_model:
         _announce_files(mode, _arguments(wrapped, args, kwargs).get("checkpoint_files"))
