@@ -433,16 +433,26 @@ def _gloo_on_loopback(ctx: RunContext) -> None:
         ctx.per_rank[rank]["env"]["GLOO_SOCKET_IFNAME"] = "lo"
 
 
+RANK0_FIRST_LOADS = 3  # rank 0's loads compared together: see the test
+
+
 def _rank0_first(name: str, repo: str, seed: int, **kwargs: Any) -> Scenario:
     """The hand-made pattern patchload replaces: rank 0 loads while every other rank waits in
-    ``dist.barrier()``, then the others load. Rank 0 must not wait for the other node, blocked
-    in the barrier, to decide the download scope, and the scope must come out right (see
-    ``test_rank0_first_by_a_barrier_decides_the_scope_at_once``)."""
-    return Scenario(name, (
-        {"name": "rank0", "op": "model", "repo": repo, "ranks": [0], "dist_barrier": True},
-        {"name": "others", "op": "model", "repo": repo, "ranks": [1, 2, 3]},
-    ), Requests.ONE_PER_CACHE, setup=_serve_llama(repo, seed, hidden_size=512, num_layers=8),
-        **kwargs)  # 75 MB: rank 0's load is long enough to compare with plain
+    ``dist.barrier()``, then the others load; three times, a new repo each time. Rank 0 must not
+    wait for the other node, blocked in the barrier, to decide the download scope, and the scope
+    must come out right (see ``test_rank0_first_by_a_barrier_decides_the_scope_at_once``)."""
+    repos = [f"{repo}-{i}" for i in range(RANK0_FIRST_LOADS)]
+
+    def setup(ctx: SetupContext) -> None:
+        for i, each in enumerate(repos):  # 75 MB: rank 0's load is long enough to compare
+            _llama(ctx, each, seed * 10 + i, hidden_size=512, num_layers=8)
+
+    steps = []
+    for i, each in enumerate(repos):
+        steps += [{"name": f"rank0-{i}", "op": "model", "repo": each, "ranks": [0],
+                   "dist_barrier": True},
+                  {"name": f"others-{i}", "op": "model", "repo": each, "ranks": [1, 2, 3]}]
+    return Scenario(name, tuple(steps), Requests.ONE_PER_CACHE, setup=setup, **kwargs)
 
 
 RANK0_FIRST_HOSTS = _rank0_first("rank0-first-hosts", "first/hosts", 24)
@@ -1221,10 +1231,13 @@ def test_a_call_rank0_never_makes_waits_nothing_while_rank0_is_in_a_barrier(
 def test_rank0_first_by_a_barrier_decides_the_scope_at_once(
         harness: Harness, group: str, scenario: str, scope: str) -> None:
     """Two nodes of two ranks; rank 0 loads while the others wait in ``dist.barrier()``, then
-    they load. Rank 0's load (75 MB) takes at most 1.2x plain: it never waits for the other
-    node to decide the download scope, and on one cache waits 0.3 s for the other node's
-    leader, blocked in the barrier, before it shares the weights with the node leaders that
-    arrive (docs/design.md). The scope is right:
+    they load, three times (a new 75 MB repo each time). Rank 0's loads take at most 1.2x plain,
+    the three together (a full garbage collection of 0.2 s lands in one load or another, as the
+    process's allocations fall; the first load holds the imports): it never waits for the other
+    node to decide the download scope, and on one cache does not wait for the other node's
+    leader, blocked in the barrier (a collective of the default group that rank 0 has not
+    entered yet), to share the weights with it (docs/design.md). Before it did, 0.3 s per load.
+    The scope is right:
     on a cache per host (``node``) one rank of node 1 downloads and rank 1 makes no request; on
     one cache the nodes share (``job``) no rank makes a request after rank 0. Which rank of node 1
     downloads is a race: these hosts build their group by hand (``mp.spawn`` under ``srun``), so
@@ -1233,11 +1246,13 @@ def test_rank0_first_by_a_barrier_decides_the_scope_at_once(
     claim the call leads it (docs/design.md)."""
     _skip_if_no_hosts(group)
     plain, patched = harness.side(group, "plain"), harness.side(group, "shm")
-    step = f"{scenario}/rank0"
-    assert _call_s(patched, 0, step) <= 1.2 * _call_s(plain, 0, step), (
-        _call_s(plain, 0, step), _call_s(patched, 0, step))
-    senders = set(requests_per_rank(patched, f"{scenario}/others"))
-    assert senders in (({2}, {3}) if scope == "node" else (set(),)), senders
+    loads = range(RANK0_FIRST_LOADS)
+    plain_s = [_call_s(plain, 0, f"{scenario}/rank0-{i}") for i in loads]
+    patched_s = [_call_s(patched, 0, f"{scenario}/rank0-{i}") for i in loads]
+    assert sum(patched_s) <= 1.2 * sum(plain_s), (plain_s, patched_s)
+    for i in loads:
+        senders = set(requests_per_rank(patched, f"{scenario}/others-{i}"))
+        assert senders in (({2}, {3}) if scope == "node" else (set(),)), (i, senders)
     if scope == "job":  # on a cache per host no store spans the nodes at rank 0's call: no line
         assert "[rank 0] download scope job" in "\n".join(patched.outputs), patched.outputs
 

@@ -1256,6 +1256,41 @@ def test_a_rank_reads_rank0s_claim_soon_once_rank0_reached_the_call(monkeypatch)
     assert claim_waits == [rank0._FIRST_POLL_S], waits
 
 
+def test_a_collective_of_the_default_group_is_counted_and_shown_with_its_position() -> None:
+    """The user's blocking collectives of the default group (``group`` None or WORLD, given by
+    position or by name) are counted; another group's and point-to-point ones are not. A
+    collective blocked over 0.2 s is shown with its position (``seq``), which the job leader
+    compares with its own count (``job_collective._await_arrivals``)."""
+    import time
+
+    import torch.distributed as dist
+
+    from patchload.coordination import rank0
+
+    world = rank0._on_world_group
+    assert world("barrier", dist.barrier, (), {})
+    assert world("barrier", dist.barrier, (), {"group": dist.GroupMember.WORLD})
+    assert world("broadcast_object_list", dist.broadcast_object_list, ([1], 0, None), {})
+    assert not world("barrier", dist.barrier, (), {"group": object()})
+    assert not world("broadcast", dist.broadcast, (None, 0, object()), {})
+    assert not world("send", dist.send, (None, 1), {})
+    assert not world("barrier", dist.barrier, (), {"no_such_argument": 1})
+
+    state = rank0._State()
+    state.leave(state.enter("barrier", world=True))
+    token = state.enter("barrier", world=True)
+    other = state.enter("broadcast", world=False)
+    assert state.world_collectives() == 2
+    now = time.monotonic()
+    assert state._compose(now)["blocked"] is None  # not shown before 0.2 s
+    shown = state._compose(now + 0.25)
+    assert (shown["blocked"], shown["seq"]) == ("barrier", 2), shown
+    state.leave(token)
+    shown = state._compose(now + 0.25)
+    assert (shown["blocked"], shown["seq"]) == ("broadcast", None), shown
+    state.leave(other)
+
+
 def test_a_pin_names_the_file_its_path_resolves_to(tmp_path) -> None:
     """A hub file's pin (``[commit, blob, size]``) names the file its path resolves to, as
     ``os.path.realpath`` does, for every layout a cache may have: a snapshot link to its blob, a

@@ -24,7 +24,9 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    node, its process-level key parts (hub endpoint, offline mode, credentials digest, default
    hub cache), and while it lasts more than 0.2 s that it is blocked in one of the user's
    ``torch.distributed`` collectives (``barrier``, ``broadcast``, the object collectives, ...;
-   written by a watcher thread, so the user's thread never does store I/O), or (for nested
+   written by a watcher thread, so the user's thread never does store I/O) with its position
+   among the default group's collectives this process entered (``seq``; none for another
+   group's or a point-to-point one), or (for nested
    calls) that it waits as a follower of another rank's call, and at exit that it exited. A
    waiting rank claims at once when rank 0 is blocked, following (nested calls), exited or gone
    (same node: its pid), or when its own key holds a process-level part that differs from rank
@@ -55,6 +57,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -75,7 +78,7 @@ if TYPE_CHECKING:
     from .._topology import Topology
 
 __all__ = ["Placement", "await_rank0", "collective_patches", "following", "place",
-           "scope_rank0"]
+           "scope_rank0", "world_collectives"]
 
 logger = get_logger(__name__)
 
@@ -125,8 +128,10 @@ class _State:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
-        self._entries: dict[int, tuple[str, float]] = {}  # token -> (what, since)
+        # token -> (what, since, its position among this process's world collectives or None)
+        self._entries: dict[int, tuple[str, float, int | None]] = {}
         self._next = 0
+        self._world = 0  # blocking collectives of the default group entered so far
         self._facts: dict[str, str] | None = None
         self._exited = False
         self._rank: int | None = None
@@ -134,17 +139,25 @@ class _State:
         self._shown: dict[int, dict[str, Any]] = {}  # id(store) -> what it holds
         self._thread: threading.Thread | None = None
 
-    def enter(self, what: str) -> int:
-        """Start an entry (``following`` or a collective's name); never does I/O."""
+    def enter(self, what: str, *, world: bool = False) -> int:
+        """Start an entry (``following`` or a collective's name; ``world``: a collective every
+        rank of the default group makes, counted); never does I/O."""
         with self._cond:
             self._next += 1
-            self._entries[self._next] = (what, time.monotonic())
+            if world:
+                self._world += 1
+            self._entries[self._next] = (what, time.monotonic(), self._world if world else None)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="patchload-rank0",
                                                 daemon=True)
                 self._thread.start()
             self._cond.notify()
             return self._next
+
+    def world_collectives(self) -> int:
+        """How many blocking collectives of the default group this process has entered."""
+        with self._cond:
+            return self._world
 
     def leave(self, token: int) -> None:
         with self._cond:
@@ -173,10 +186,12 @@ class _State:
         self._write()
 
     def _compose(self, now: float) -> dict[str, Any]:
-        due = [what for what, since in self._entries.values() if now - since >= _SHOW_AFTER_S]
-        blocked = next((w for w in due if w != "following"), None)
+        due = [(what, seq) for what, since, seq in self._entries.values()
+               if now - since >= _SHOW_AFTER_S]
+        blocked, seq = next(((w, s) for w, s in due if w != "following"), (None, None))
         return {"pid": os.getpid(), "node": node_id(), "facts": self._facts,
-                "blocked": blocked, "following": "following" in due, "exited": self._exited}
+                "blocked": blocked, "seq": seq, "following": any(w == "following" for w, _ in due),
+                "exited": self._exited}
 
     def _targets(self) -> list[JobStore]:
         """The stores to write into: those this process published its facts into, else those
@@ -228,7 +243,7 @@ class _State:
         while True:
             with self._cond:
                 now = time.monotonic()
-                pending = [since + _SHOW_AFTER_S - now for _, since in self._entries.values()
+                pending = [since + _SHOW_AFTER_S - now for _, since, _ in self._entries.values()
                            if now - since < _SHOW_AFTER_S]
                 state = self._compose(now)
                 showing = state["blocked"] is not None or state["following"]
@@ -275,13 +290,41 @@ def _collective(name: str) -> Callable[..., Any]:
         if kwargs.get("async_op") or not _is_some_rank0(current_topology()) \
                 or not current_topology().distributed:
             return wrapped(*args, **kwargs)
-        token = _rank0().state.enter(name)
+        token = _rank0().state.enter(name, world=_on_world_group(name, wrapped, args, kwargs))
         try:
             return wrapped(*args, **kwargs)
         finally:
             _rank0().state.leave(token)
 
     return wrapper
+
+
+def _on_world_group(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> bool:
+    """Whether the collective is one that every rank of the default group makes, in the same
+    order on each (torch.distributed's rule): not point-to-point, ``group`` None or WORLD."""
+    if name in ("send", "recv"):
+        return False
+    try:
+        group = inspect.signature(wrapped).bind(*args, **kwargs).arguments.get("group")
+    except (TypeError, ValueError):  # arguments the call itself rejects: not counted
+        return False
+    if group is None:
+        return True
+    from torch.distributed import GroupMember
+
+    return group is GroupMember.WORLD
+
+
+def world_collectives() -> int | None:
+    """How many blocking collectives of the default group this process has entered, counted
+    from ``import patchload`` on (the same on every rank that counts: each makes them in the
+    same order), or None where it does not count them (no scope's rank 0)."""
+    from .._topology import current_topology
+
+    if not _is_some_rank0(current_topology()):
+        return None
+    return _rank0().state.world_collectives()
 
 
 def collective_patches() -> list[Patch]:

@@ -24,6 +24,7 @@ from .._topology import current_topology
 from ..coordination.followers import gone_ranks
 from ..coordination.identity import process_alive
 from ..coordination.protocol import Call
+from ..coordination.rank0 import world_collectives
 from ..coordination.store import job_store
 
 if TYPE_CHECKING:
@@ -57,11 +58,14 @@ def _members(call: Call, expected: int) -> list[int]:
 def _await_arrivals(call: Call) -> None:
     """Wait at most ``PATCHLOAD_ARRIVAL_WINDOW`` seconds for every member to arrive, or less:
     between node leaders (the hierarchy), the wait ends once each other node's leader that has
-    not arrived is blocked in one of the user's ``torch.distributed`` collectives, as its
-    published state (:mod:`patchload.coordination.rank0`) shows twice, 0.3 s apart (the first
-    look as soon as the leader has loaded): it arrives only after this call (rank 0 first, the
-    others in ``dist.barrier()``) and loads from the cache. Under
-    ``PATCHLOAD_TRANSPORT=collective`` the full window (other ranks publish no state)."""
+    not arrived is blocked in one of the user's ``torch.distributed`` collectives (its published
+    state, :mod:`patchload.coordination.rank0`): it arrives only after this call (rank 0 first,
+    the others in ``dist.barrier()``) and loads from the cache. At the first look that shows it,
+    as soon as the leader has loaded, where it is blocked in a collective of the default group
+    that this rank has not entered yet (one that cannot end before this rank enters it, after
+    this call); otherwise (another group, or one this rank has entered: it may be leaving it)
+    once two looks 0.3 s apart show it blocked. Under ``PATCHLOAD_TRANSPORT=collective`` the
+    full window (other ranks publish no state)."""
     store, topology, window = call.store, call.topology, call.config.arrival_window_s
 
     def wake() -> None:
@@ -74,9 +78,14 @@ def _await_arrivals(call: Call) -> None:
     leaders = [topology.node_ranks(n)[0] for n in range(topology.num_nodes) if n != mine]
     deadline = time.monotonic() + window
     blocked_since = None
+    entered = world_collectives()
+
+    def waits_for_me(state: dict[str, Any]) -> bool:
+        return entered is not None and state.get("seq") is not None and state["seq"] > entered
+
     while True:
-        # The first look at once: a rank 0 whose load the others wait for in a barrier waits
-        # _BLOCKED_SHOWN_S for them, not twice that.
+        # The first look at once: a rank 0 whose load the others wait for in a barrier goes on
+        # at that look (the default group's) or _BLOCKED_SHOWN_S later (another group's).
         now = time.monotonic()
         with store.lock:
             missing = [r for r in leaders if not store.store.check([call.keys.arrived(r)])]
@@ -86,7 +95,8 @@ def _await_arrivals(call: Call) -> None:
             return
         if all(state and state.get("blocked") for state in states):
             blocked_since = now if blocked_since is None else blocked_since
-            if now - blocked_since >= _BLOCKED_SHOWN_S:
+            if all(waits_for_me(state) for state in states) \
+                    or now - blocked_since >= _BLOCKED_SHOWN_S:
                 logger.debug("%s: ranks %s are blocked in a collective of the user's: not "
                              "waiting for them to arrive", call.prefix(), missing)
                 return
