@@ -25,8 +25,8 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    hub cache), and while it lasts more than 0.2 s that it is blocked in one of the user's
    ``torch.distributed`` collectives (``barrier``, ``broadcast``, the object collectives, ...;
    written by a watcher thread, so the user's thread never does store I/O) with its position
-   among the default group's collectives this process entered (``seq``; none for another
-   group's or a point-to-point one), or (for nested
+   among the default group's collectives this process entered (``seq``, the outer call's for
+   an object collective; none for another group's or a point-to-point one), or (for nested
    calls) that it waits as a follower of another rank's call, and at exit that it exited. A
    waiting rank claims at once when rank 0 is blocked, following (nested calls), exited or gone
    (same node: its pid), or when its own key holds a process-level part that differs from rank
@@ -317,9 +317,12 @@ def _on_world_group(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...
 
 
 def world_collectives() -> int | None:
-    """How many blocking collectives of the default group this process has entered, counted
-    from ``import patchload`` on (the same on every rank that counts: each makes them in the
-    same order), or None where it does not count them (no scope's rank 0)."""
+    """How many blocking collectives of the default group this process has entered while
+    patchload is installed (an object collective counts the ``broadcast``/``scatter``/
+    ``gather`` calls torch makes inside it too, the same on every rank: each rank makes them in
+    the same order), or None where it does not count them (no scope's rank 0). A count that
+    differs between ranks (one counted from later on) costs only a wait or a broadcast
+    receiver (``job_collective._await_arrivals``), never a result."""
     from .._topology import current_topology
 
     if not _is_some_rank0(current_topology()):

@@ -62,9 +62,10 @@ def _await_arrivals(call: Call) -> None:
     state, :mod:`patchload.coordination.rank0`): it arrives only after this call (rank 0 first,
     the others in ``dist.barrier()``) and loads from the cache. At the first look that shows it,
     as soon as the leader has loaded, where it is blocked in a collective of the default group
-    that this rank has not entered yet (one that cannot end before this rank enters it, after
-    this call); otherwise (another group, or one this rank has entered: it may be leaving it)
-    once two looks 0.3 s apart show it blocked. Under ``PATCHLOAD_TRANSPORT=collective`` the
+    that this rank has not entered yet (a barrier cannot end before this rank enters it, after
+    this call; one with a root it is not may: it then arrives late and reads from the cache);
+    otherwise (another group, or one this rank has entered: it may be leaving it) once two
+    looks 0.3 s apart show it blocked. Under ``PATCHLOAD_TRANSPORT=collective`` the
     full window (other ranks publish no state)."""
     store, topology, window = call.store, call.topology, call.config.arrival_window_s
 
