@@ -15,6 +15,7 @@ process called the map function (one line per batch in ``$BENCH_DS_CALLS_FILE``)
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -79,6 +80,11 @@ def main() -> None:
         import patchload.patches.datasets  # noqa: F401
         import patchload.patches.datasets_map  # noqa: F401
 
+    # A full garbage collection first, in both modes, as pyperf does between runs: a collection
+    # owed by the process's earlier allocations would otherwise land in whichever call crosses
+    # CPython's threshold first (docs/benchmarks.md: 0.2-0.3 s in every patched warm
+    # load_dataset, in no plain one). A collection the call's own allocations cause still counts.
+    gc.collect()
     touch(sync / f"imported-{rank}")
     wait_for([sync / "go"])
     loaded = datasets.load_dataset(args.dataset)

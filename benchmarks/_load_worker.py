@@ -25,6 +25,7 @@ reclaimed rather than unmapped; the samples miss what lasted under 5 ms.
 """
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -119,6 +120,11 @@ def main() -> None:
     import patchload.transport.collective  # noqa: F401
     import patchload.transport.shm  # noqa: F401
 
+    # A full garbage collection first, in both modes, as pyperf does between runs: a collection
+    # owed by the process's earlier allocations would otherwise land in whichever call crosses
+    # CPython's threshold first (docs/benchmarks.md: 0.2-0.3 s in every patched warm
+    # load_dataset, in no plain one). A collection the call's own allocations cause still counts.
+    gc.collect()
     pss_before = psutil.Process().memory_full_info().pss
     touch(sync / f"imported-{rank}")
     wait_for([sync / "go"])
