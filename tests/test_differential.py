@@ -506,15 +506,20 @@ def _tokens_setup(ctx: SetupContext) -> None:
     _llama(ctx, "tokens/sharded", seed=34, max_shard_size="20KB")
 
 
-# A different HF_TOKEN per rank on public repos: a Trainer-style job (config, tokenizer, model, a
-# training step) and a cold-cache sharded model and its tokenizer. Rank 0 leads every call, the
+# A different HF_TOKEN per rank on public repos: a Trainer job (config, tokenizer, model, then
+# transformers.Trainer loading both again and training) and a cold-cache sharded model and its
+# tokenizer. Rank 0 leads every call, the
 # followers make no request (the repos are public: one anonymous request of rank 0 shows it).
 PER_RANK_TOKENS = Scenario(
     "per-rank-tokens", (
         {"name": "config", "op": "config", "repo": "tokens/llama"},
         {"name": "tokenizer", "op": "tokenizer", "repo": "tokens/llama"},
         {"name": "model", "op": "model", "repo": "tokens/llama"},
-        {"name": "train", "op": "train", "repo": "tokens/llama", "kwargs": {"dtype": "float32"}},
+        # A real Trainer job: its TrainingArguments build the gloo process group, then it
+        # loads the tokenizer and the model and trains two DDP steps (last in its job: the
+        # group it builds stays).
+        {"name": "trainer", "op": "trainer", "repo": "tokens/llama", "kwargs": {"dtype": "float32"},
+         "import_first": "transformers.trainer"},
     ), Requests.ONE_PER_CACHE, setup=_tokens_setup, per_run=_tokens_run)
 
 TOKENS_COLD = Scenario(
@@ -976,7 +981,7 @@ BUSY_SENTENCE = Scenario(
 GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
     Group("rank0-late", (LATE_RANK0, RANK1_ALONE), process_group=True, concurrent_plain=True),
-    Group("per-rank-tokens", (PER_RANK_TOKENS, TOKENS_COLD),
+    Group("per-rank-tokens", (TOKENS_COLD, PER_RANK_TOKENS),
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
     Group("replay", (MISTRAL, REMOTE_CODE, SENTENCE, HUB_API, HUB_API_ERRORS, HF_FS, HF_FS_READS,
@@ -1260,7 +1265,7 @@ def test_rank0_first_by_a_barrier_decides_the_scope_at_once(
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_per_rank_tokens_share_public_repos_and_rank0_warns_once(harness: Harness) -> None:
     """A different HF_TOKEN per rank on public repos: followers make no more requests than with
-    one token (none in the Trainer-style job), every call on every rank, and all of a rank's
+    one token (none in the Trainer job), every call on every rank, and all of a rank's
     calls together, take at most 1 s longer than the same job with one token, and rank 0 logs
     one WARNING naming the ranks whose credentials differ (none with one token)."""
     patched = harness.side("per-rank-tokens", "shm")
@@ -1276,7 +1281,7 @@ def test_per_rank_tokens_share_public_repos_and_rank0_warns_once(harness: Harnes
             if _call_s(patched, rank, step) > _call_s(one, rank, step) + 1.0}
     assert slow == {}, slow
     # The whole job too (issue 31: "finish within 1 s"), not only each call: its calls' time
-    # on each rank, the Trainer-style job's training step included.
+    # on each rank, the Trainer job's training included.
     totals = {rank: (round(sum(_call_s(one, rank, step) for step in steps), 2),
                      round(sum(_call_s(patched, rank, step) for step in steps), 2))
               for rank in range(3)}

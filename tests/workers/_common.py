@@ -78,11 +78,13 @@ def _record_attaches(attached: list[int], scopes: list[str]) -> None:
     logging.setLogRecordFactory(factory)
 
 
-def main(body: Callable[[dict[str, Any]], None], *, skip_finalization: bool = False) -> None:
+def main(body: Callable[[dict[str, Any]], None], *,
+         skip_finalization: bool | Callable[[], bool] = False) -> None:
     """Run ``body(report)`` and write the report; on a crash, write the traceback and exit 1.
 
     ``skip_finalization``: once the report is written, run the exit handlers (patchload's
-    included) and leave without finalizing the interpreter. For workers that ran a gloo process
+    included) and leave without finalizing the interpreter (a callable: asked once ``body``
+    returned). For workers that ran a gloo process
     group: torch's teardown of gloo work objects during interpreter finalization can abort a
     process that already finished ("terminate called without an active exception", see
     pytorch/pytorch#179291 and #190489), which would fail the job after its work is done.
@@ -100,7 +102,7 @@ def main(body: Callable[[dict[str, Any]], None], *, skip_finalization: bool = Fa
         sys.stdout.flush()
         os._exit(1)
     write_report(report)
-    if skip_finalization:
+    if skip_finalization() if callable(skip_finalization) else skip_finalization:
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -47,6 +47,9 @@ A step (every key but ``name`` and ``op`` is optional):
 * ``config_set_attr``: for ``model``: first ``config = AutoConfig.from_pretrained(repo)``, then
   set this attribute of it to a one-element ``set`` (its ``repr()`` raises: a set is not JSON),
   then pass ``config=config``.
+* ``trainer``: a ``transformers.Trainer`` job on ``repo`` (``op_trainer``); ``import_first``:
+  a module imported before the step's timer starts (the Trainer's imports, seconds long, are
+  the same work in every run).
 * ``ranks``: the ranks that make the call (default: all); the others only meet the barriers.
 * ``seed``: ``torch``/``random``/``numpy`` seed set right before the call (default 0);
   ``seed_plus_rank``: add the rank to it.
@@ -100,6 +103,7 @@ os.environ["HF_HUB_USER_AGENT_ORIGIN"] = f"rank-{_RANK}"
 import concurrent.futures  # noqa: E402
 import contextlib  # noqa: E402
 import hashlib  # noqa: E402
+import importlib  # noqa: E402
 import inspect  # noqa: E402
 import logging  # noqa: E402
 import random  # noqa: E402
@@ -255,6 +259,28 @@ def op_train(step: dict[str, Any]) -> dict[str, Any]:
     if step.get("hold"):
         _HELD.append(model)
     return obs
+
+
+def op_trainer(step: dict[str, Any]) -> dict[str, Any]:
+    """A ``transformers.Trainer`` job, ``run_clm.py``'s shape on CPU: ``TrainingArguments``
+    (under torchrun it builds the gloo process group), ``AutoTokenizer`` and ``cls.from_pretrained``,
+    then ``Trainer.train()`` for ``max_steps`` (default 2) steps of one fixed sequence per rank
+    (the Trainer wraps the model in DDP). The losses logged and the weights after training."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(_common.OUT / f"trainer-{RANK}"), report_to=[],
+                             use_cpu=True, max_steps=int(step.get("max_steps", 2)),
+                             per_device_train_batch_size=1, learning_rate=1e-3, logging_steps=1,
+                             save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(step["repo"])
+    cls = getattr(transformers, step.get("cls", "AutoModelForCausalLM"))
+    model = cls.from_pretrained(step["repo"], **_kwargs(step))
+    ids = [i % model.config.vocab_size for i in range(12)]
+    train = [{"input_ids": ids, "labels": ids}] * 4
+    trainer = Trainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"losses": losses, "fingerprint": jsonable(_common.fingerprint(model))}
 
 
 _HELD: list[Any] = []  # models a "train" step with "hold" keeps alive until "blob_handles"
@@ -502,7 +528,7 @@ OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "tokenizer": op_tokenizer, "hf_hub_download": op_hf_hub_download,
     "thread_pool": op_thread_pool, "snapshot_download": op_snapshot_download,
     "processor": op_processor, "sentence_transformer": op_sentence_transformer,
-    "train": op_train, "model_to": op_model_to, "blob_handles": op_blob_handles,
+    "train": op_train, "trainer": op_trainer, "model_to": op_model_to, "blob_handles": op_blob_handles,
     "hub_api": op_hub_api, "hf_fs": op_hf_fs, "load_dataset": op_load_dataset}
 
 
@@ -525,6 +551,8 @@ def run_step(step: dict[str, Any], record: dict[str, Any], barrier: _common.Barr
         _wait_key(barrier.store, gate_key)
     time.sleep(float(step.get("sleep_before_s", {}).get(str(RANK), 0.0)))
     seed_everything(step.get("seed", 0) + (RANK if step.get("seed_plus_rank") else 0))
+    if step.get("import_first"):
+        importlib.import_module(step["import_first"])
     op = OPS[step["op"]]
     attempts = []
     for attempt in range(step.get("attempts", 1)):
@@ -588,5 +616,5 @@ def body(report: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    _common.main(body, skip_finalization=bool(PLAN.get("init_process_group")
-                                              or PLAN.get("process_group")))
+    # A step may have built a process group too (the Trainer's TrainingArguments).
+    _common.main(body, skip_finalization=lambda: torch.distributed.is_initialized())
