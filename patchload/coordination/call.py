@@ -92,7 +92,8 @@ class Mode:
         replayed: followers: the call's HTTP requests are answered from the leader's record
             (:mod:`.replay`), so it runs with the caller's arguments; only its hub downloads
             (``hf_hub_download``, ``snapshot_download``) are made offline. False where
-            huggingface_hub's client is not ``httpx`` (0.x).
+            huggingface_hub's client is neither ``httpx`` (>= 1) nor ``requests`` (0.x): a
+            ``configure_http_backend`` factory of the user's.
         answers: followers with ``replayed``: the answers given so far (requests counted).
     """
 
@@ -693,7 +694,7 @@ def _requests_note(mode: Mode) -> str:
 
 def _replays() -> bool:
     """Whether this process's coordinated calls record (leader) and replay (followers) their
-    HTTP exchanges: huggingface_hub's client is ``httpx`` (>= 1)."""
+    HTTP exchanges: huggingface_hub's client is ``httpx`` (>= 1) or ``requests`` (0.x)."""
     try:
         return _replay.recordable()
     except ImportError:  # no huggingface_hub: nothing to record

@@ -11,8 +11,10 @@ that body is at most the block's bound. Inside a follower's call that replays
 (:func:`replaying`), each request is answered from its leader's record (:class:`Replay`).
 Elsewhere the patch passes every request straight through.
 
-huggingface_hub 0.x sends through ``requests``, whose exchanges are not seen here
-(:func:`recordable` is False): its callers keep their offline path.
+huggingface_hub 0.x sends through ``requests``: there ``HTTPAdapter.send`` is patched instead
+(one hop of a redirect each; ``Session.send`` follows the redirects), with the same record and
+replay, except that no streamed body is ever recorded (a user's ``HfFileSystem`` read goes to the
+hub from every rank, as plain).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import collections
 import contextlib
 import contextvars
 import hashlib
+import http.client
+import importlib.metadata
 import sys
 import threading
 from typing import Any, Callable, Final, Iterator
@@ -30,7 +34,7 @@ from .._logging import get_logger
 from .._patching import Patch
 
 __all__ = ["History", "HISTORY", "LeaderAnswers", "Record", "Replay", "ReplayMiss",
-           "answer_key", "current_replay", "http_patches", "rebuilt_error", "recordable",
+           "answer_key", "current_replay", "http_patches", "hub_client", "rebuilt_error", "recordable",
            "recording", "recording_bodies", "is_answer", "recording_active", "replaying",
            "request_key"]
 
@@ -40,6 +44,8 @@ logger = get_logger(__name__)
 # is set from it.
 _UNREPLAYED_HEADERS: Final = frozenset({"content-encoding", "transfer-encoding", "content-length"})
 _HTTP_PACKAGES: Final = ("httpx2", "httpx")
+# The packages whose transport errors a follower raises again from its leader's record.
+_ERROR_PACKAGES: Final = (*_HTTP_PACKAGES, "requests", "urllib3")
 _HISTORY_MAX_BYTES: Final = 4 << 20
 # A coordinated call's leader publishes each answer it records in the job's store: a response
 # body past this (a listing of many thousand files) is not recorded, and a follower that makes
@@ -69,12 +75,30 @@ def request_key(request: Any) -> str:
     (a read from an offset): what a follower's request must equal to get the leader's answer
     (other headers differ per rank: the user agent names the rank)."""
     try:
-        body = hashlib.sha1(request.content).hexdigest()
+        body = hashlib.sha1(_request_body(request)).hexdigest()
     except Exception:  # noqa: BLE001 - a streaming body (an upload): never replayed
         body = "stream"
     key = f"{request.method} {request.url} {body}"
     byte_range = request.headers.get("range")
     return key if byte_range is None else f"{key} range={byte_range.replace(' ', '')}"
+
+
+def _request_body(request: Any) -> bytes:
+    """The body of an ``httpx`` request (``content``; raises for a stream) or of a ``requests``
+    ``PreparedRequest`` (``body``: bytes, str or None; raises for a stream)."""
+    if not _is_requests(request):
+        return request.content
+    body = request.body
+    if body is None or isinstance(body, bytes):
+        return body or b""
+    if isinstance(body, str):
+        return body.encode("utf-8")
+    raise TypeError(f"a streamed request body ({type(body).__name__})")
+
+
+def _is_requests(obj: Any) -> bool:
+    """Whether ``obj`` (a request or a response) is the ``requests`` library's."""
+    return type(obj).__module__.partition(".")[0] == "requests"
 
 
 def _shown(key: str) -> str:
@@ -248,11 +272,29 @@ def _response(entry: dict[str, Any], request: Any, key: str) -> Any:
     recorded transport error raised again."""
     package = sys.modules[type(request).__module__.partition(".")[0]]
     if "error" in entry:
-        raise rebuilt_error(entry["error"], key, _HTTP_PACKAGES, request=request)
+        raise rebuilt_error(entry["error"], key, _ERROR_PACKAGES, request=request)
     headers = [(name, value) for name, value in entry["headers"]
                if name.lower() not in _UNREPLAYED_HEADERS]
-    return package.Response(entry["status"], headers=headers,
-                            content=base64.b64decode(entry["content"]), request=request)
+    content = base64.b64decode(entry["content"])
+    if package.__name__ == "requests":
+        return _requests_response(package, entry["status"], headers, content, request)
+    return package.Response(entry["status"], headers=headers, content=content, request=request)
+
+
+def _requests_response(requests: Any, status: int, headers: list[tuple[str, str]],
+                       content: bytes, request: Any) -> Any:
+    """A ``requests.Response`` as ``HTTPAdapter.build_response`` makes it, its body already
+    read (no connection behind it: ``raw`` is None)."""
+    response = requests.Response()
+    response.status_code = status
+    response.headers = requests.structures.CaseInsensitiveDict(headers)
+    response.encoding = requests.utils.get_encoding_from_headers(response.headers)
+    response.reason = http.client.responses.get(status, "")
+    response.url = request.url
+    response.request = request
+    response._content = content
+    response._content_consumed = True
+    return response
 
 
 def rebuilt_error(error: dict[str, str], key: str, packages: tuple[str, ...],
@@ -324,7 +366,7 @@ def current_replay() -> Replay | LeaderAnswers | None:
 
 def _send(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> Any:
-    """``Client.send``: inside a follower's rerun, answered from its leader's record; inside a
+    """``Client.send`` (``requests``: ``HTTPAdapter.send``): inside a follower's rerun, answered from its leader's record; inside a
     leader's call, made and recorded (a streamed response, a file body, is not recorded: a
     follower finds the file in the cache the leader filled); elsewhere passed through. Both at
     once for a node leader that follows the job's leader (several nodes on one cache): the
@@ -345,13 +387,29 @@ def _send(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
     except Exception as err:
         record.append({"key": key, "error": _error_entry(err)})
         raise
-    if not kwargs.get("stream", False):
+    if not _streamed(request, args, kwargs):
         record.append({"key": key, "status": response.status_code,
-                       "headers": [list(item) for item in response.headers.multi_items()],
+                       "headers": _header_items(response),
                        "content": base64.b64encode(response.content).decode("ascii")})
-    elif _BODIES_MAX_BYTES.get() is not None:
+    elif _BODIES_MAX_BYTES.get() is not None and not _is_requests(response):
         _record_body(response, key, record, _BODIES_MAX_BYTES.get())
     return response
+
+
+def _streamed(request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the response's body is streamed: ``stream=`` of ``httpx``'s ``Client.send``
+    (keyword-only) or of ``requests``' ``HTTPAdapter.send(request, stream, ...)``."""
+    if "stream" in kwargs:
+        return bool(kwargs["stream"])
+    return _is_requests(request) and len(args) > 1 and bool(args[1])
+
+
+def _header_items(response: Any) -> list[list[str]]:
+    """A response's headers as ``[name, value]`` pairs (``httpx`` keeps repeated ones apart;
+    ``requests`` has joined them)."""
+    items = response.headers.multi_items() if hasattr(response.headers, "multi_items") \
+        else response.headers.items()
+    return [list(item) for item in items]
 
 
 def _record_body(response: Any, key: str, record: list[dict[str, Any]] | Record,
@@ -369,7 +427,7 @@ def _record_body(response: Any, key: str, record: list[dict[str, Any]] | Record,
 
     def done(body: bytes) -> None:
         record.append({"key": key, "status": response.status_code,
-                       "headers": [list(item) for item in headers.multi_items()],
+                       "headers": _header_items(response),
                        "content": base64.b64encode(body).decode("ascii"), "body": True})
 
     if response.is_stream_consumed:  # an answer replayed to a node leader: its body is here
@@ -412,12 +470,20 @@ def _recorded_stream(base: type) -> type:
     return RecordedStream
 
 
-def recordable() -> bool:
-    """huggingface_hub sends its requests through an ``httpx``/``httpx2`` client (1.x and 2.x;
-    0.x uses ``requests``, whose exchanges :func:`_send` does not see)."""
+def hub_client() -> str:
+    """The top-level package of huggingface_hub's HTTP client in this thread: ``httpx`` or
+    ``httpx2`` (huggingface_hub 1.x, 2.x), ``requests`` (0.x), or whatever a user's
+    ``configure_http_backend`` factory returns."""
     from huggingface_hub.utils import get_session
 
-    return type(get_session()).__module__.partition(".")[0] in _HTTP_PACKAGES
+    return type(get_session()).__module__.partition(".")[0]
+
+
+def recordable() -> bool:
+    """huggingface_hub sends its requests through an ``httpx``/``httpx2`` client (1.x and 2.x)
+    or a ``requests`` session (0.x): both are recorded and replayed. False for another client
+    (a ``configure_http_backend`` factory of the user's that is neither)."""
+    return hub_client() in (*_HTTP_PACKAGES, "requests")
 
 
 def recording_active() -> bool:
@@ -426,5 +492,15 @@ def recording_active() -> bool:
 
 
 def http_patches() -> list[Patch]:
-    """The patches of the HTTP clients' ``Client.send`` that record and replay exchanges."""
-    return [Patch(f"{package}._client", "Client.send", _send) for package in _HTTP_PACKAGES]
+    """The patches that record and replay huggingface_hub's exchanges: ``httpx``'s and
+    ``httpx2``'s ``Client.send``, and where the installed huggingface_hub is 0.x (its client is
+    ``requests``) ``requests``' ``HTTPAdapter.send``. Not there for huggingface_hub >= 1: other
+    libraries' ``requests`` traffic (evaluate records its own) stays as it is."""
+    patches = [Patch(f"{package}._client", "Client.send", _send) for package in _HTTP_PACKAGES]
+    try:
+        hub_major = importlib.metadata.version("huggingface_hub").partition(".")[0]
+    except importlib.metadata.PackageNotFoundError:
+        return patches
+    if hub_major == "0":
+        patches.append(Patch("requests.adapters", "HTTPAdapter.send", _send))
+    return patches

@@ -22,7 +22,9 @@ the job's for a cache the job shares):
   and makes the plain call.
 
 ``streaming=True`` steps aside: every rank streams, as without patchload (one INFO line); so
-does every call where huggingface_hub's client is not ``httpx`` (0.x: ``requests``).
+does every call where huggingface_hub's client is not ``httpx`` (0.x: ``requests``; the record
+and replay of :mod:`patchload.coordination.replay` works there, but ``datasets`` on 0.x is not
+tested).
 
 The HTTP exchanges are recorded and replayed by :mod:`patchload.coordination.replay`.
 """
@@ -40,8 +42,7 @@ from .._patching import Patch
 from .._topology import current_topology
 from .. import _state
 from ..coordination.call import Hooks, VerificationFailed, coordinated, current_mode, plain
-from ..coordination.replay import (HISTORY, Replay, ReplayMiss, http_patches, recordable,
-                                  recording, replaying)
+from ..coordination.replay import HISTORY, Replay, ReplayMiss, hub_client, recording, replaying
 
 __all__ = ["datasets_patches"]
 
@@ -219,11 +220,13 @@ def _load_dataset(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
     ``streaming=True``, which every rank makes itself."""
     path = _argument(wrapped, args, kwargs, "path")
     streaming = bool(_argument(wrapped, args, kwargs, "streaming"))
-    if streaming or not recordable():
+    # Built and tested on huggingface_hub >= 1 only: on 0.x (requests) every rank makes it, as plain.
+    if streaming or hub_client() not in ("httpx", "httpx2"):
         topology = current_topology()
         if _state.active() and topology.distributed and current_mode() is None:
             why = ("streaming=True: every rank streams its data itself" if streaming else
-                   "huggingface_hub's HTTP client is not httpx: its requests cannot be recorded")
+                   "huggingface_hub's HTTP client is not httpx: load_dataset's record and "
+                   "replay is built on it")
             logger.info("[rank %d/%d] load_dataset(%r): not coordinated (%s)", topology.rank,
                         topology.world_size, path, why)
         with plain():  # its hub calls too: as without patchload
@@ -235,9 +238,7 @@ def _load_dataset(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
 
 
 def datasets_patches() -> list[Patch]:
-    """The patches for ``datasets``: ``load_dataset`` (also as ``datasets.load_dataset``), and
-    the HTTP client's ``Client.send`` that records and replays its exchanges."""
-    return [
-        Patch("datasets.load", "load_dataset", _load_dataset, rebind_aliases=True),
-        *http_patches(),
-    ]
+    """The patches for ``datasets``: ``load_dataset`` (also as ``datasets.load_dataset``). Its
+    followers' reruns are answered through huggingface_hub's HTTP client patches
+    (:func:`patchload.coordination.replay.http_patches`)."""
+    return [Patch("datasets.load", "load_dataset", _load_dataset, rebind_aliases=True)]

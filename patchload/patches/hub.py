@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..coordination.call import Hooks, coordinated
+from ..coordination.replay import http_patches
 from .._patching import Patch
 
 __all__ = ["hub_patches"]
@@ -38,7 +39,8 @@ def _hub_function(name: str) -> Callable[..., Any]:
 
 
 def hub_patches() -> list[Patch]:
-    """The patches for huggingface_hub's download functions."""
+    """The patches for huggingface_hub's download functions, and for its HTTP client: a
+    coordinated call's exchanges recorded by its leader and replayed to its followers."""
     return [
         Patch("huggingface_hub.file_download", "hf_hub_download",
               _hub_function("hf_hub_download"), rebind_aliases=True),
@@ -51,4 +53,5 @@ def hub_patches() -> list[Patch]:
         # The same, bound to hf_api's module-level HfApi at import, imported by name (diffusers).
         Patch("huggingface_hub.hf_api", "resolve_revision", _hub_function("resolve_revision"),
               rebind_aliases=True),
+        *http_patches(),
     ]

@@ -40,7 +40,8 @@ Made as plain, by every rank:
   ``model_info``) or, for ``HfFileSystem``'s methods, by fsspec or datasets (``walk``'s ``ls``,
   ``data_files``' ``glob``): the calls a client makes from its caches differ from rank to rank,
   and a rank would wait for a call rank 0 never makes;
-- with huggingface_hub 0.x, whose ``requests`` exchanges cannot be replayed;
+- where huggingface_hub's client is neither ``httpx`` nor ``requests`` (a
+  ``configure_http_backend`` factory of the user's), whose exchanges cannot be replayed;
 - on an ``HfApi`` built with an endpoint other than ``HF_ENDPOINT`` or with headers of its own
   (what they send is not part of the call's key). An ``HfApi(token=...)``'s token is passed as
   the call's ``token=`` (what its methods use for ``token=None``), so the key holds its digest;
