@@ -1394,3 +1394,53 @@ def test_a_streamed_body_is_recorded_whole_within_its_bound_or_not_at_all() -> N
     again: list[dict[str, Any]] = []
     replay._record_body(replayed, "GET http://x -", again, len(body))
     assert base64.b64decode(again[0]["content"]) == body
+
+
+@pytest.mark.tf4
+def test_a_replayed_answer_has_the_headers_and_body_a_plain_answer_has() -> None:
+    """A follower's replayed response: a ``HEAD`` answer keeps its Content-Length (no body;
+    huggingface_hub reads a file's size from it) in both clients; an ``httpx`` GET answer's
+    recorded (decoded) body gets its own length and no Content-Encoding; a ``requests`` answer
+    keeps every header, as a plain one does, and works as one (``raise_for_status``, ``json``).
+    A transport error the follower cannot rebuild is sent to the hub, as plain, and counted."""
+    import requests
+
+    from patchload.coordination import replay
+
+    def entry(status: int, headers: list[list[str]], content: bytes) -> dict[str, Any]:
+        return {"status": status, "headers": headers,
+                "content": base64.b64encode(content).decode("ascii")}
+
+    head = entry(200, [["Content-Length", "1234"], ["ETag", '"e"']], b"")
+    get = entry(200, [["Content-Length", "10"], ["Content-Encoding", "gzip"]], b'{"a": 1}')
+    missing = entry(404, [["Content-Length", "2"], ["X-Error-Code", "EntryNotFound"]], b"{}")
+
+    prepared = requests.Request("HEAD", "http://hub.test/r/resolve/main/config.json").prepare()
+    response = replay._response(head, prepared, "HEAD x")
+    assert isinstance(response, requests.Response) and response.content == b""
+    assert response.headers["content-length"] == "1234" and response.url == prepared.url
+    got = replay._response(get, requests.Request("GET", "http://hub.test/api").prepare(), "GET x")
+    assert got.json() == {"a": 1} and got.headers["Content-Encoding"] == "gzip"
+    not_found = replay._response(missing, requests.Request("GET", "http://hub.test/x").prepare(),
+                                 "GET x")
+    with pytest.raises(requests.HTTPError, match="404 Client Error: Not Found"):
+        not_found.raise_for_status()
+    assert replay.request_key(requests.Request("POST", "http://h/x", data="a=1").prepare()) == \
+        replay.request_key(requests.Request("POST", "http://h/x", data=b"a=1").prepare())
+
+    for name in ("httpx2", "httpx"):
+        try:
+            httpx = __import__(name)
+        except ImportError:
+            continue
+        response = replay._response(head, httpx.Request("HEAD", "http://hub.test/f"), "HEAD x")
+        assert response.headers["content-length"] == "1234" and response.content == b""
+        response = replay._response(get, httpx.Request("GET", "http://hub.test/api"), "GET x")
+        assert response.json() == {"a": 1} and response.headers["content-length"] == "8"
+        assert "content-encoding" not in response.headers
+
+    unbuildable = {"key": "k", "error": {"module": "json", "qualname": "JSONDecodeError",
+                                         "message": "m"}}
+    answers = replay.LeaderAnswers(lambda name: unbuildable, lambda name: None, "test")
+    assert answers.answer(prepared, lambda: "sent") == "sent"
+    assert (answers.unrecorded, answers.answered) == (1, 0)

@@ -40,8 +40,10 @@ __all__ = ["History", "HISTORY", "LeaderAnswers", "Record", "Replay", "ReplayMis
 
 logger = get_logger(__name__)
 
-# Response headers not replayed as recorded: the recorded body is already decoded, and its length
-# is set from it.
+# Response headers an ``httpx`` response is not rebuilt with: the recorded body is already
+# decoded, and httpx sets its length from it (a ``HEAD`` answer keeps its Content-Length: it has
+# no body, and huggingface_hub reads a file's size from it). A ``requests`` response keeps every
+# header, as a plain one does (its body is decoded too; nothing decodes it again).
 _UNREPLAYED_HEADERS: Final = frozenset({"content-encoding", "transfer-encoding", "content-length"})
 _HTTP_PACKAGES: Final = ("httpx2", "httpx")
 # The packages whose transport errors a follower raises again from its leader's record.
@@ -221,8 +223,9 @@ class LeaderAnswers:
     """A follower's answers from its leader's record, as the leader publishes it: the
     ``n``-th request of a kind (:func:`request_key`) gets the leader's ``n``-th answer to it.
     One the leader has not answered yet is waited for (``wait``: until the leader published it
-    or its outcome, bounded by ``PATCHLOAD_TIMEOUT``); one it never answered is sent to the hub
-    as a plain rank sends it (never guessed) and counted in :attr:`unrecorded`.
+    or its outcome, bounded by ``PATCHLOAD_TIMEOUT``); one it never answered, or answered with
+    a transport error whose class cannot be rebuilt here (:func:`rebuilt_error`), is sent to the
+    hub as a plain rank sends it (never guessed) and counted in :attr:`unrecorded`.
 
     Args:
         lookup: the leader's published answer under an :func:`answer_key`, or None; never
@@ -262,9 +265,15 @@ class LeaderAnswers:
             logger.debug("%s: the leader made no request %s (#%d): sent to the hub", self._what,
                          _shown(key), occurrence)
             return send()
+        try:
+            response = _response(entry, request, key)
+        except ReplayMiss:  # the leader's transport error, of a class not rebuilt here
+            with self._lock:
+                self.unrecorded += 1
+            return send()
         with self._lock:
             self.answered += 1
-        return _response(entry, request, key)
+        return response
 
 
 def _response(entry: dict[str, Any], request: Any, key: str) -> Any:
@@ -273,21 +282,21 @@ def _response(entry: dict[str, Any], request: Any, key: str) -> Any:
     package = sys.modules[type(request).__module__.partition(".")[0]]
     if "error" in entry:
         raise rebuilt_error(entry["error"], key, _ERROR_PACKAGES, request=request)
-    headers = [(name, value) for name, value in entry["headers"]
-               if name.lower() not in _UNREPLAYED_HEADERS]
     content = base64.b64decode(entry["content"])
     if package.__name__ == "requests":
-        return _requests_response(package, entry["status"], headers, content, request)
+        return _requests_response(package, entry["status"], entry["headers"], content, request)
+    dropped = _UNREPLAYED_HEADERS - ({"content-length"} if request.method == "HEAD" else set())
+    headers = [(name, value) for name, value in entry["headers"] if name.lower() not in dropped]
     return package.Response(entry["status"], headers=headers, content=content, request=request)
 
 
-def _requests_response(requests: Any, status: int, headers: list[tuple[str, str]],
+def _requests_response(requests: Any, status: int, headers: list[list[str]],
                        content: bytes, request: Any) -> Any:
     """A ``requests.Response`` as ``HTTPAdapter.build_response`` makes it, its body already
     read (no connection behind it: ``raw`` is None)."""
     response = requests.Response()
     response.status_code = status
-    response.headers = requests.structures.CaseInsensitiveDict(headers)
+    response.headers = requests.structures.CaseInsensitiveDict([tuple(h) for h in headers])
     response.encoding = requests.utils.get_encoding_from_headers(response.headers)
     response.reason = http.client.responses.get(status, "")
     response.url = request.url
@@ -375,7 +384,8 @@ def _send(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
     replay, record = _REPLAY.get(), _RECORDING.get()
 
     def send() -> Any:
-        if replay is not None:
+        # A streamed requests response is never recorded (nor its body): sent, as plain.
+        if replay is not None and not (_is_requests(request) and _streamed(request, args, kwargs)):
             return replay.answer(request, lambda: wrapped(*args, **kwargs))
         return wrapped(*args, **kwargs)
 
