@@ -34,7 +34,7 @@ from .._logging import get_logger
 from .._patching import Patch
 
 __all__ = ["History", "HISTORY", "LeaderAnswers", "Record", "Replay", "ReplayMiss",
-           "answer_key", "current_replay", "http_patches", "hub_client", "rebuilt_error", "recordable",
+           "answer_key", "current_replay", "http_patches", "rebuilt_error", "recordable",
            "recording", "recording_bodies", "is_answer", "recording_active", "replaying",
            "request_key"]
 
@@ -375,17 +375,19 @@ def current_replay() -> Replay | LeaderAnswers | None:
 
 def _send(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> Any:
-    """``Client.send`` (``requests``: ``HTTPAdapter.send``): inside a follower's rerun, answered from its leader's record; inside a
-    leader's call, made and recorded (a streamed response, a file body, is not recorded: a
-    follower finds the file in the cache the leader filled); elsewhere passed through. Both at
-    once for a node leader that follows the job's leader (several nodes on one cache): the
-    answers it gets are recorded for its own node's followers."""
+    """``Client.send`` (``requests``: ``HTTPAdapter.send``): inside a follower's rerun, answered
+    from its leader's record; inside a leader's call, made and recorded (a streamed response, a
+    file body, is not recorded: a follower finds the file in the cache the leader filled);
+    elsewhere passed through. Both at once for a node leader that follows the job's leader
+    (several nodes on one cache): the answers it gets are recorded for its own node's
+    followers."""
     request = kwargs["request"] if "request" in kwargs else args[0]
     replay, record = _REPLAY.get(), _RECORDING.get()
+    streamed = _streamed(request, args, kwargs)
 
     def send() -> Any:
         # A streamed requests response is never recorded (nor its body): sent, as plain.
-        if replay is not None and not (_is_requests(request) and _streamed(request, args, kwargs)):
+        if replay is not None and not (streamed and _is_requests(request)):
             return replay.answer(request, lambda: wrapped(*args, **kwargs))
         return wrapped(*args, **kwargs)
 
@@ -397,7 +399,7 @@ def _send(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
     except Exception as err:
         record.append({"key": key, "error": _error_entry(err)})
         raise
-    if not _streamed(request, args, kwargs):
+    if not streamed:
         record.append({"key": key, "status": response.status_code,
                        "headers": _header_items(response),
                        "content": base64.b64encode(response.content).decode("ascii")})
@@ -480,20 +482,14 @@ def _recorded_stream(base: type) -> type:
     return RecordedStream
 
 
-def hub_client() -> str:
-    """The top-level package of huggingface_hub's HTTP client in this thread: ``httpx`` or
-    ``httpx2`` (huggingface_hub 1.x, 2.x), ``requests`` (0.x), or whatever a user's
-    ``configure_http_backend`` factory returns."""
+def recordable(*, through_requests: bool = True) -> bool:
+    """huggingface_hub sends its requests through an ``httpx``/``httpx2`` client (1.x and 2.x)
+    or, with ``through_requests``, a ``requests`` session (0.x): both are recorded and
+    replayed. False for another client (a ``configure_http_backend`` factory of the user's)."""
     from huggingface_hub.utils import get_session
 
-    return type(get_session()).__module__.partition(".")[0]
-
-
-def recordable() -> bool:
-    """huggingface_hub sends its requests through an ``httpx``/``httpx2`` client (1.x and 2.x)
-    or a ``requests`` session (0.x): both are recorded and replayed. False for another client
-    (a ``configure_http_backend`` factory of the user's that is neither)."""
-    return hub_client() in (*_HTTP_PACKAGES, "requests")
+    client = type(get_session()).__module__.partition(".")[0]
+    return client in _HTTP_PACKAGES or (through_requests and client == "requests")
 
 
 def recording_active() -> bool:

@@ -42,7 +42,7 @@ from .._patching import Patch
 from .._topology import current_topology
 from .. import _state
 from ..coordination.call import Hooks, VerificationFailed, coordinated, current_mode, plain
-from ..coordination.replay import HISTORY, Replay, ReplayMiss, hub_client, recording, replaying
+from ..coordination.replay import HISTORY, Replay, ReplayMiss, recordable, recording, replaying
 
 __all__ = ["datasets_patches"]
 
@@ -220,8 +220,8 @@ def _load_dataset(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
     ``streaming=True``, which every rank makes itself."""
     path = _argument(wrapped, args, kwargs, "path")
     streaming = bool(_argument(wrapped, args, kwargs, "streaming"))
-    # Built and tested on huggingface_hub >= 1 only: on 0.x (requests) every rank makes it, as plain.
-    if streaming or hub_client() not in ("httpx", "httpx2"):
+    # Built and tested on huggingface_hub >= 1 only: on 0.x (requests) every rank makes it.
+    if streaming or not recordable(through_requests=False):
         topology = current_topology()
         if _state.active() and topology.distributed and current_mode() is None:
             why = ("streaming=True: every rank streams its data itself" if streaming else

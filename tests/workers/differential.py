@@ -263,7 +263,8 @@ def op_train(step: dict[str, Any]) -> dict[str, Any]:
 
 def op_trainer(step: dict[str, Any]) -> dict[str, Any]:
     """A ``transformers.Trainer`` job, ``run_clm.py``'s shape on CPU: ``TrainingArguments``
-    (under torchrun it builds the gloo process group), ``AutoTokenizer`` and ``cls.from_pretrained``,
+    (under torchrun it builds the gloo process group), ``AutoTokenizer`` and
+    ``cls.from_pretrained``,
     then ``Trainer.train()`` for ``max_steps`` (default 2) steps of one fixed sequence per rank
     (the Trainer wraps the model in DDP). The losses logged and the weights after training."""
     from transformers import Trainer, TrainingArguments
@@ -528,7 +529,8 @@ OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "tokenizer": op_tokenizer, "hf_hub_download": op_hf_hub_download,
     "thread_pool": op_thread_pool, "snapshot_download": op_snapshot_download,
     "processor": op_processor, "sentence_transformer": op_sentence_transformer,
-    "train": op_train, "trainer": op_trainer, "model_to": op_model_to, "blob_handles": op_blob_handles,
+    "train": op_train, "trainer": op_trainer, "model_to": op_model_to,
+    "blob_handles": op_blob_handles,
     "hub_api": op_hub_api, "hf_fs": op_hf_fs, "load_dataset": op_load_dataset}
 
 
