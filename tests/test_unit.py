@@ -1444,3 +1444,23 @@ def test_a_replayed_answer_has_the_headers_and_body_a_plain_answer_has() -> None
     answers = replay.LeaderAnswers(lambda name: unbuildable, lambda name: None, "test")
     assert answers.answer(prepared, lambda: "sent") == "sent"
     assert (answers.unrecorded, answers.answered) == (1, 0)
+
+
+def test_the_probes_fingerprint_is_handed_on_only_where_map_computes_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """datasets >= 2.x fingerprints a map in ``Dataset.map`` itself (the probe's fingerprint is
+    the map's); where ``_map_single`` is a ``fingerprint_transform`` (older releases), each
+    ``num_proc`` shard hashed its own, and the call is left to do so."""
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
+    from datasets.fingerprint import fingerprint_transform
+
+    from patchload.patches import datasets_map
+
+    assert not datasets_map._shards_fingerprint_themselves()
+
+    @fingerprint_transform(inplace=False)
+    def _map_single(self: Any, new_fingerprint: str | None = None) -> None:
+        del self, new_fingerprint
+
+    monkeypatch.setattr(datasets.Dataset, "_map_single", _map_single)
+    assert datasets_map._shards_fingerprint_themselves()

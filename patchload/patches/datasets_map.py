@@ -179,7 +179,35 @@ def _map(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
     if why is not None:
         _not_coordinated(why)
         return _plain_map(wrapped, args, kwargs)
-    return _coordinated_map(wrapped, args, kwargs, probe)
+    return _coordinated_map(wrapped, args, _with_fingerprint(wrapped, args, kwargs, probe), probe)
+
+
+def _shards_fingerprint_themselves() -> bool:
+    """Older ``datasets`` (``_map_single`` a ``fingerprint_transform``): with ``num_proc`` each
+    shard hashed its own fingerprint, so the probe's (the first shard's) is not the map's."""
+    from datasets import Dataset
+
+    layer: Any = Dataset._map_single
+    while layer is not None:
+        if getattr(layer, "_decorator_name_", None) == "fingerprint":
+            return True
+        layer = getattr(layer, "__wrapped__", None)
+    return False
+
+
+def _with_fingerprint(wrapped: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any], probe: _Probe) -> dict[str, Any]:
+    """``kwargs`` with the probe's fingerprint as ``new_fingerprint``: ``datasets`` then only
+    validates it instead of hashing the function and its arguments a second time (the same
+    hash, so the same fingerprint and cache file as its own). Unchanged where the caller passed
+    ``new_fingerprint`` positionally, and where shards hash their own."""
+    if kwargs.get("new_fingerprint") is not None or _shards_fingerprint_themselves():
+        return kwargs
+    try:
+        positional = "new_fingerprint" in inspect.signature(wrapped).bind_partial(*args).arguments
+    except (TypeError, ValueError):
+        positional = True  # not known: the call as the caller made it
+    return kwargs if positional else {**kwargs, "new_fingerprint": probe.fingerprint}
 
 
 def _plain_map(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
