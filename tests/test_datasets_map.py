@@ -29,7 +29,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 # The function runs on the leader only.
 # ``after_rank0``: ranks 1-2 start once rank 0's map returned (its cache file exists then).
-COORDINATED = ("tokenize", "filter", "dict_map", "chained", "num_proc", "after_rank0")
+COORDINATED = ("tokenize", "filter", "dict_map", "chained", "num_proc", "after_rank0",
+               "hashed")
 # datasets reuses no cache file for these (a random fingerprint, no cache file, a forced
 # recompute): every rank computes, as plain.
 PLAIN = ("unhashable", "in_memory", "no_cache_reuse")
@@ -42,7 +43,8 @@ TRAIN_ROWS, TEST_ROWS = 40, 3  # the repo _write_repo builds
 # Rows each coordinated step's function sees on a cold cache ("chained" maps train twice,
 # "dict_map" both splits).
 ROWS_MAPPED = {"tokenize": TRAIN_ROWS, "filter": TRAIN_ROWS, "dict_map": TRAIN_ROWS + TEST_ROWS,
-               "chained": 2 * TRAIN_ROWS, "num_proc": TRAIN_ROWS, "after_rank0": TRAIN_ROWS}
+               "chained": 2 * TRAIN_ROWS, "num_proc": TRAIN_ROWS, "after_rank0": TRAIN_ROWS,
+               "hashed": TRAIN_ROWS}
 
 
 def _write_repo(root: Path) -> Path:
@@ -127,6 +129,18 @@ def test_the_function_runs_on_the_leader_only(jobs: dict[str, Job], step: str) -
                    for line in record["lines"]), record["lines"]
     for rank in range(NPROC):  # warm: every rank loads the cache file, as plain does
         assert _record(jobs["warm"], rank, step)["calls"] == 0, (rank, step)
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_a_coordinated_map_hashes_its_arguments_as_often_as_plain(jobs: dict[str, Job]) -> None:
+    """datasets hashes a map's function and arguments once per call (its fingerprint); the
+    probe's fingerprint is handed to the real call, so a patched rank hashes no more than a
+    plain one (a function holding a large tokenizer takes a second or more to hash)."""
+    for rank in range(NPROC):
+        plain = _record(jobs["plain"], rank, "hashed")["hashes"]
+        assert plain == 1, (rank, plain)
+        for cache in ("cold", "warm"):
+            assert _record(jobs[cache], rank, "hashed")["hashes"] == plain, (rank, cache)
 
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT_S)

@@ -7,7 +7,8 @@ report holds, per step, what the step returned (each split's fingerprint, rows, 
 content hash and cache files with ``HF_HOME`` replaced by ``<home>``) or the exception, how many
 times this rank's process called the step's function (counted in ``$PLT_OUT/calls-<rank>``, a
 file the function appends to: its fingerprint must not depend on the rank, so it reads the
-path from the environment), and patchload's INFO lines.
+path from the environment), how many times ``datasets`` hashed the ``hashed`` step's argument
+(:class:`Suffix`), and patchload's INFO lines.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import _common  # noqa: E402
 
 CALLS = _common.OUT / f"calls-{_common.RANK}"
 os.environ["PLT_CALLS_FILE"] = str(CALLS)
+HASHES = _common.OUT / f"hashes-{_common.RANK}"
+os.environ["PLT_HASHES_FILE"] = str(HASHES)
 _UNHASHABLE = (i for i in range(1))
 # patchload's INFO lines a step records: its call's and its map's.
 _LOGGERS = ("patchload.coordination.call", "patchload.patches.datasets_map")
@@ -101,6 +104,25 @@ def unhashable(example: dict[str, Any]) -> dict[str, Any]:
     return {"n": len(example["text"])}
 
 
+class Suffix:
+    """A map argument (``fn_kwargs``) that counts how often ``datasets`` pickles it: once for
+    each fingerprint of the map (its hash). The count goes to ``$PLT_OUT/hashes-<rank>``, a path
+    read from the environment, so that the state hashed is the same on every rank."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __getstate__(self) -> dict[str, Any]:
+        with open(os.environ["PLT_HASHES_FILE"], "a", encoding="utf-8") as f:
+            f.write("1\n")
+        return {"text": self.text}
+
+
+def add_suffix(example: dict[str, Any], suffix: Suffix) -> dict[str, Any]:
+    _count(1)
+    return {"text": example["text"] + suffix.text}
+
+
 def _trainer_first() -> Any:
     """A Trainer script's preprocessing (``run_clm.py``'s shape): ``load_dataset`` of a repo
     not loaded before and a tokenizer map inside ``TrainingArguments.main_process_first()``,
@@ -124,6 +146,7 @@ def _steps(dd: Any) -> dict[str, Any]:
         "tokenize": lambda: train.map(tokenize, batched=True, batch_size=4),
         "filter": lambda: train.filter(keep_even),
         "dict_map": lambda: dd.map(upper),
+        "hashed": lambda: train.map(add_suffix, fn_kwargs={"suffix": Suffix("#")}),
         "chained": lambda: train.map(upper).map(tokenize, batched=True),
         "unhashable": lambda: train.map(unhashable),
         "in_memory": lambda: datasets.Dataset.from_dict(
@@ -155,9 +178,9 @@ def _describe(result: Any, home: str) -> dict[str, Any]:
     return {"splits": {name: _one(split, home) for name, split in result.items()}}
 
 
-def _calls() -> int:
+def _calls(path: Path = CALLS) -> int:
     try:
-        return sum(int(line) for line in CALLS.read_text().split())
+        return sum(int(line) for line in path.read_text().split())
     except FileNotFoundError:
         return 0
 
@@ -189,10 +212,11 @@ def body(report: dict[str, Any]) -> None:
         with _common.step(report, name, None if name == "leader_killed" else barrier) as record:
             if name == "after_rank0":
                 _after_rank0()
-            before = _calls()
+            before, hashed_before = _calls(), _calls(HASHES)
             with _common.patchload_lines(_LOGGERS) as lines:
                 record.update(_common.attempt(lambda: _describe(steps[name](), home)))
             record["calls"] = _calls() - before
+            record["hashes"] = _calls(HASHES) - hashed_before
             record["lines"] = lines
             if name == "after_rank0" and _common.RANK == 0:
                 (_common.OUT / "after-rank0-done").write_text("")
