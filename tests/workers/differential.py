@@ -264,9 +264,9 @@ def op_train(step: dict[str, Any]) -> dict[str, Any]:
 def op_trainer(step: dict[str, Any]) -> dict[str, Any]:
     """A ``transformers.Trainer`` job, ``run_clm.py``'s shape on CPU: ``TrainingArguments``
     (under torchrun it builds the gloo process group), ``AutoTokenizer`` and
-    ``cls.from_pretrained``,
-    then ``Trainer.train()`` for ``max_steps`` (default 2) steps of one fixed sequence per rank
-    (the Trainer wraps the model in DDP). The losses logged and the weights after training."""
+    ``cls.from_pretrained``, then ``Trainer.train()`` for ``max_steps`` (default 2) steps of one
+    fixed sequence per rank (the Trainer wraps the model in DDP). The losses logged and the
+    weights after training."""
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(output_dir=str(_common.OUT / f"trainer-{RANK}"), report_to=[],
