@@ -79,10 +79,12 @@ def install(config: Config | None = None) -> None:
 def _land() -> None:
     """Land every patch now or when its module is first imported (imports wrapt)."""
     from ._patching import install_patches
+    from .coordination.rank0 import sample_collectives_when_imported
     from .coordination.scope import announce_when_hub_imported
 
     install_patches(_patches())
     announce_when_hub_imported()
+    sample_collectives_when_imported()
 
 
 def _patches() -> list[Patch]:

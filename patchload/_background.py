@@ -3,9 +3,11 @@
 The heartbeat, the leader watch, the node leader's blob watcher and the mapped-model watcher
 share one life cycle: a daemon thread that starts with the first piece of work, repeats one step
 every period while work is left, ends by itself when none is, and is stopped and joined when
-the install ends (``uninstall()``, interpreter exit: :mod:`patchload._runtime`). A daemon thread still inside a store request when the interpreter finalizes
-is killed while unwinding C++ frames, which aborts the whole process ("terminate called without
-an active exception"): hence the join.
+the install ends (``uninstall()``, interpreter exit: :mod:`patchload._runtime`). Rank 0's
+collective sampler always has work: it runs from the import of torch.distributed until then.
+A daemon thread still inside a store request when the interpreter finalizes is killed while
+unwinding C++ frames, which aborts the whole process ("terminate called without an active
+exception"): hence the join.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class Group:
     hosts: int = 0
     process_group: bool = False
     """Every rank joins a gloo process group first (``init_process_group`` over torchrun's
-    variables): for steps with ``dist_barrier``."""
+    variables): for steps with a ``collective``."""
     nodes: int = 0
     busy_cores: bool = False
     """Every run (plain and patched alike) runs while one busy-looping process per core

@@ -450,7 +450,7 @@ def _rank0_first(name: str, repo: str, seed: int, **kwargs: Any) -> Scenario:
     steps = []
     for i, each in enumerate(repos):
         steps += [{"name": f"rank0-{i}", "op": "model", "repo": each, "ranks": [0],
-                   "dist_barrier": True},
+                   "collective": "barrier"},
                   {"name": f"others-{i}", "op": "model", "repo": each, "ranks": [1, 2, 3]}]
     return Scenario(name, tuple(steps), Requests.ONE_PER_CACHE, setup=setup, **kwargs)
 
@@ -465,7 +465,8 @@ RANK0_FIRST_SHARED = _rank0_first("rank0-first-shared", "first/shared", 25,
 def _late_setup(ctx: SetupContext) -> None:
     _llama(ctx, "late/a", seed=30)
     _llama(ctx, "late/b", seed=31)
-    _llama(ctx, "late/alone", seed=32, with_tokenizer=False)
+    for i, collective in enumerate(RANK1_ALONE_COLLECTIVES):
+        _llama(ctx, f"late/alone-{collective}", seed=(32, 60, 61)[i], with_tokenizer=False)
     _llama(ctx, "late/cached-only", seed=48, with_tokenizer=False)
 
 
@@ -484,12 +485,14 @@ LATE_RANK0 = Scenario(
          "sleep_before_s": {"0": 3, "2": 3}, "kwargs_by_rank": {"1": {"local_files_only": True}}},
     ), Requests.ONE_PER_CACHE, setup=_late_setup)
 
-# Rank 1 makes a call rank 0 never makes, then every rank enters dist.barrier(): rank 1 must not
-# wait for rank 0, which is blocked in the barrier.
+# Rank 1 makes a call rank 0 never makes, then every rank enters a collective: rank 1 must not
+# wait for rank 0, which is blocked in it: a barrier (wrapped), an all_reduce (not wrapped:
+# dynamo maps it by identity) and DDP's constructor (its collectives run from C++).
+RANK1_ALONE_COLLECTIVES: Final = ("barrier", "all_reduce", "ddp")
 RANK1_ALONE = Scenario(
-    "rank1-alone", (
-        {"name": "config", "op": "config", "repo": "late/alone", "ranks": [1],
-         "dist_barrier": True},
+    "rank1-alone", tuple(
+        {"name": f"config-{collective}", "op": "config", "repo": f"late/alone-{collective}",
+         "ranks": [1], "collective": collective} for collective in RANK1_ALONE_COLLECTIVES
     ), Requests.ONE_PER_CACHE)
 
 
@@ -1220,12 +1223,14 @@ def test_a_listing_rank0_makes_alone_leaves_it_leading_the_next_load(harness: Ha
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_a_call_rank0_never_makes_waits_nothing_while_rank0_is_in_a_barrier(
-        harness: Harness) -> None:
-    """Rank 1 makes a call rank 0 never makes, rank 0 waits in dist.barrier(): rank 1's call
-    takes at most 1 s longer than plain (rank 0 is known to be in the barrier)."""
+@pytest.mark.parametrize("collective", RANK1_ALONE_COLLECTIVES)
+def test_a_call_rank0_never_makes_waits_nothing_while_rank0_is_in_a_collective(
+        harness: Harness, collective: str) -> None:
+    """Rank 1 makes a call rank 0 never makes, rank 0 waits in a collective (a barrier, an
+    all_reduce, DDP's constructor): rank 1's call takes at most 1 s longer than plain (rank 0
+    is known to be blocked there), not PATCHLOAD_CLAIM_GRACE."""
     plain, patched = harness.side("rank0-late", "plain"), harness.side("rank0-late", "shm")
-    step = "rank1-alone/config"
+    step = f"rank1-alone/config-{collective}"
     assert _call_s(patched, 1, step) <= _call_s(plain, 1, step) + 1.0, (
         _call_s(plain, 1, step), _call_s(patched, 1, step))
 

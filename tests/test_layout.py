@@ -130,6 +130,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.coordination.rank0": COORDINATION,
     "patchload.coordination.replay": COORDINATION,
     "patchload.coordination.rng": COORDINATION,
+    "patchload.coordination.sampler": COORDINATION,
     "patchload.coordination.scope": COORDINATION,
     "patchload.coordination.store": COORDINATION,
     # transport: how bytes move

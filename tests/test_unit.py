@@ -10,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -1464,3 +1465,29 @@ def test_the_probes_fingerprint_is_handed_on_only_where_map_computes_it(
 
     monkeypatch.setattr(datasets.Dataset, "_map_single", _map_single)
     assert datasets_map._shards_fingerprint_themselves()
+
+
+def test_the_sampler_shows_the_main_thread_while_it_is_in_a_torch_distributed_function() -> None:
+    """A collective patchload does not wrap (here a function of torch.distributed's collectives
+    module that sleeps, as all_reduce waits for the other ranks) shows as one entry while the
+    main thread is in it, and none once it returned; other code never shows."""
+    from patchload.coordination import sampler
+
+    events: list[tuple[str, Any]] = []
+
+    def enter(name: str) -> int:
+        events.append(("enter", name))
+        return len(events)
+
+    namespace: dict[str, Any] = {"__name__": "torch.distributed.distributed_c10d", "time": time}
+    exec("def all_reduce(seconds):\n    time.sleep(seconds)\n", namespace)  # noqa: S102
+    watch = sampler.CollectiveSampler(enter, lambda token: events.append(("leave", token)))
+    watch.start()
+    try:
+        time.sleep(0.3)  # the test's own code: nothing shows
+        assert events == []
+        namespace["all_reduce"](0.3)
+        time.sleep(0.3)
+    finally:
+        watch.stop()
+    assert events == [("enter", "all_reduce"), ("leave", 1)]

@@ -48,8 +48,9 @@ its own (each rank appends its credentials digest, never the token, to one store
 
 Collectives that torch.compile traces (``all_reduce``, ``all_gather``, ``all_gather_into_tensor``,
 ``reduce_scatter_tensor``, ``all_to_all_single``, the p2p ``isend``/``irecv``) are left
-unpatched: dynamo maps them by identity. A rank 0 blocked in one of those is waited for as a
-rank 0 that is behind.
+unpatched: dynamo maps them by identity. Rank 0 blocked in one of those called eagerly, or in
+DDP's constructor, is seen by sampling its main thread (:mod:`.sampler`); inside a compiled
+graph or in an async collective's ``wait()`` it is waited for as a rank 0 that is behind.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import inspect
 import json
 import math
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -68,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Iterator
 
 from .identity import node_id, process_alive
 from .calls import Call, Placement
+from .sampler import CollectiveSampler
 from .. import _runtime
 from .._logging import get_logger
 from .._topology import process_group_initialized
@@ -78,7 +81,7 @@ if TYPE_CHECKING:
     from .._topology import Topology
 
 __all__ = ["Placement", "await_rank0", "collective_patches", "following", "place",
-           "scope_rank0", "world_collectives"]
+           "sample_collectives_when_imported", "scope_rank0", "world_collectives"]
 
 logger = get_logger(__name__)
 
@@ -340,6 +343,29 @@ def collective_patches() -> list[Patch]:
                   rebind_aliases=True) for name in _COLLECTIVES]
 
 
+def sample_collectives_when_imported() -> None:
+    """On a scope's rank 0 of a job of several processes, sample its main thread for the
+    collectives that are not wrapped (:mod:`.sampler`) from the import of torch.distributed
+    on, until the install ends. Not collective; never raises."""
+    import wrapt
+
+    def hook(module: object) -> None:
+        from .._topology import current_topology
+
+        try:
+            topology = current_topology()
+            if topology.distributed and _is_some_rank0(topology):
+                _rank0().sampler.start()
+        except Exception as err:  # noqa: BLE001 - then only wrapped collectives show
+            logger.debug("sampling the main thread for collectives failed: %s", err)
+
+    name = "torch.distributed.distributed_c10d"
+    if name in sys.modules:
+        hook(sys.modules[name])
+    else:
+        wrapt.register_post_import_hook(hook, name)
+
+
 # --- placing a call -------------------------------------------------------------------------------
 
 @dataclass
@@ -376,8 +402,10 @@ class _Rank0:
                                             "call": None}
         # id(store) -> (store, the sequence entries this process published there as rank 0)
         self.published: dict[int, tuple[JobStore, list[str]]] = {}
+        self.sampler = CollectiveSampler(self.state.enter, self.state.leave)
 
     def close(self) -> None:
+        self.sampler.stop()
         try:
             _check_credentials(final=True)
             self.state.exit()

@@ -58,8 +58,10 @@ A step (every key but ``name`` and ``op`` is optional):
   this many times; ``retry_delay_s``: ``{rank: seconds}`` slept before each retry.
 * ``sleep_before_s``: ``{rank: seconds}`` that rank sleeps before the call (its own work first:
   ``wandb.init()``, rank-0-only data preparation).
-* ``dist_barrier``: every rank enters ``torch.distributed.barrier()`` after the step's call (a
-  rank that skips the call, at once); the plan needs ``"process_group": "gloo"``.
+* ``collective``: every rank enters this ``torch.distributed`` collective after the step's call
+  (a rank that skips the call, at once): ``barrier``, ``all_reduce`` (of one float) or ``ddp``
+  (``DistributedDataParallel`` built around a small linear layer); the plan needs
+  ``"process_group": "gloo"``.
 * ``observe_after_barrier``: for ``hf_hub_download`` and ``snapshot_download``: read the
   returned files only once every rank's call returned (a barrier). Ranks of a node that share a
   ``local_dir`` race in a plain run: one rank's download unlinks the file another rank's call
@@ -577,6 +579,19 @@ def run_step(step: dict[str, Any], record: dict[str, Any], barrier: _common.Barr
     record["attempts"] = attempts
 
 
+def enter_collective(name: str) -> None:
+    import torch.distributed as dist
+
+    if name == "barrier":
+        dist.barrier()
+    elif name == "all_reduce":
+        dist.all_reduce(torch.zeros(1))
+    elif name == "ddp":
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    else:
+        raise ValueError(f"unknown collective {name!r}")
+
+
 def body(report: dict[str, Any]) -> None:
     if PLAN.get("init_process_group"):
         import datetime
@@ -610,10 +625,8 @@ def body(report: dict[str, Any]) -> None:
             if step.get("observe_after_barrier"):
                 barrier()
             settle(record)
-            if step.get("dist_barrier"):
-                import torch.distributed as dist
-
-                dist.barrier()
+            if step.get("collective"):
+                enter_collective(step["collective"])
         _common.write_report(report)  # a later hang still leaves the earlier steps readable
 
 
