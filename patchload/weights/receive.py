@@ -61,6 +61,20 @@ def _assemble(model: Any, entries: list[list[Any]], tensors: list[torch.Tensor],
             module._buffers[attribute] = tensors[index]
 
 
+def _non_persistent(model: Any, entries: list[list[Any]]) -> set[str]:
+    """The leader's buffers that are non-persistent in ``model``: no checkpoint holds them, and
+    a plain load computes each rank's own (from the config, or drawn from the rank's own random
+    stream by the model's ``_init_weights``), so a follower keeps what its own call computes."""
+    owner = Owners(model)
+    names = set()
+    for name, kind, _, _ in entries:
+        if kind == "buffer":
+            module, attribute = owner(name)
+            if attribute in getattr(module, "_non_persistent_buffers_set", ()):
+                names.add(name)
+    return names
+
+
 def _check_structure(model: Any, entries: list[list[Any]], metas: list[Any],
                      skip: set[str]) -> None:
     """Follower: the leader's tensors must fit this rank's model name by name and shape.
@@ -124,6 +138,7 @@ def receive(mode: Mode, model: Any, plan: Any = None) -> bool:
     skip = initialized_by_follower(weights.get("loading_info") or {})
     if skip is None:  # this transformers line initialises them inside the replaced step
         return False
+    skip |= _non_persistent(model, entries)
     if not transport.collective:
         tensors = _received(transport, mode, weights)
     if tensors is None:  # not a member, a broken broadcast, a failed attach: load plainly
