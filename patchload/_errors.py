@@ -8,6 +8,7 @@ plain call still catches it.
 
 from __future__ import annotations
 
+import base64
 import importlib
 import sys
 from typing import Any, Final
@@ -166,31 +167,76 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
 
 def _attributes(exc: BaseException) -> dict[str, Any]:
     """What handlers of the plain call read on the exception, as JSON: an ``OSError``'s
-    ``errno`` / ``strerror`` / ``filename``; an HTTP error's status code, headers, URL, request id
-    and server message (``except HfHubHTTPError as e: e.response.status_code``)."""
+    ``errno`` / ``strerror`` / ``filename``; an HTTP error's response (:func:`_described_response`);
+    and the plain values the raising library set on the instance (huggingface_hub's
+    ``repo_id``, ``repo_type``, ``request_id``, ``server_message``)."""
     out: dict[str, Any] = {}
     if isinstance(exc, OSError):
         out.update(errno=exc.errno, strerror=exc.strerror,
                    filename=None if exc.filename is None else str(exc.filename))
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", None)
-    if isinstance(status, int):
-        headers = getattr(response, "headers", None) or {}
-        try:
-            out["response"] = {"status_code": status, "url": str(getattr(response, "url", "")),
-                               "headers": {str(k): str(v) for k, v in dict(headers).items()}}
-        except (TypeError, ValueError):  # headers of an unexpected kind: the status alone
-            out["response"] = {"status_code": status, "url": "", "headers": {}}
-    for name in ("request_id", "server_message"):
-        value = getattr(exc, name, None)
-        if isinstance(value, str):
-            out[name] = value
+    response = _described_response(getattr(exc, "response", None))
+    if response is not None:
+        out["response"] = response
+    values = {name: value for name, value in vars(exc).items()
+              if not name.startswith("_") and name not in _SET_HERE and _plain(value)}
+    if values:
+        out["values"] = values
     return out
 
 
+# Attributes follower_exception sets itself (a re-published follower error holds them too).
+_SET_HERE: Final = frozenset({"rank", "leader_rank", "cause", "response", "request"})
+_VALUE_MAX_CHARS: Final = 4096
+_BODY_MAX_BYTES: Final = 64 << 10
+# A recorded body is decoded; a rebuilt response must not decode it again or expect a length.
+_DECODED_HEADERS: Final = frozenset({"content-encoding", "transfer-encoding", "content-length"})
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float)) or (
+        isinstance(value, str) and len(value) <= _VALUE_MAX_CHARS)
+
+
+def _described_response(response: Any) -> dict[str, Any] | None:
+    """An HTTP client's response (httpx's, requests') as JSON: status, headers (names as sent,
+    in order), URL, reason phrase, body (up to 64 KiB, where already read), its request's method
+    and URL, and the client library; None where ``response`` has no integer status."""
+    status = getattr(response, "status_code", None)
+    if not isinstance(status, int):
+        return None
+    headers = getattr(response, "headers", None)
+    try:
+        pairs = headers.multi_items() if hasattr(headers, "multi_items") else \
+            list(dict(headers or {}).items())
+        pairs = [[str(name), str(value)] for name, value in pairs]
+    except (TypeError, ValueError, AttributeError):  # headers of an unexpected kind
+        pairs = []
+    described: dict[str, Any] = {"status_code": status, "headers": pairs,
+                                 "library": type(response).__module__.partition(".")[0]}
+    for name, read in (("url", lambda: str(response.url)),
+                       ("reason", lambda: getattr(response, "reason_phrase", None)
+                        or getattr(response, "reason", None)),
+                       ("method", lambda: response.request.method),
+                       ("request_url", lambda: str(response.request.url)),
+                       ("content", lambda: _body(response.content))):
+        try:  # httpx raises where a response has no request, or a streamed body is unread
+            value = read()
+        except Exception:  # noqa: BLE001 - that part is not recorded
+            value = None
+        if value is not None:
+            described[name] = value if isinstance(value, str) else str(value)
+    return described
+
+
+def _body(content: Any) -> str | None:
+    if not isinstance(content, bytes) or len(content) > _BODY_MAX_BYTES:
+        return None
+    return base64.b64encode(content).decode("ascii")
+
+
 class _Response:
-    """What a follower's rebuilt HTTP error holds in place of the leader's ``response``: its
-    status code, headers and URL (the parts a retry handler reads; no body, no request)."""
+    """What a follower's rebuilt HTTP error holds in place of the leader's ``response`` where the
+    leader's client library is not imported here: its status code, headers and URL."""
 
     def __init__(self, status_code: int, url: str, headers: dict[str, str]) -> None:
         self.status_code = status_code
@@ -199,6 +245,36 @@ class _Response:
 
     def __repr__(self) -> str:
         return f"<Response [{self.status_code}] from the leader>"
+
+
+def _rebuilt_response(described: dict[str, Any]) -> Any:
+    """The leader's response (:func:`_described_response`) as its client library's own
+    ``Response``, with a request of that library, when this process has imported that library;
+    else a :class:`_Response` holding the status, headers and URL."""
+    status = int(described["status_code"])
+    pairs = [(str(name), str(value)) for name, value in described.get("headers", [])]
+    content = base64.b64decode(described["content"]) if "content" in described else b""
+    method, request_url = described.get("method"), described.get("request_url")
+    library = sys.modules.get(str(described.get("library")))
+    name = getattr(library, "__name__", "")
+    if name in ("httpx", "httpx2"):
+        kept = [(k, v) for k, v in pairs if k.lower() not in _DECODED_HEADERS
+                or (k.lower() == "content-length" and method == "HEAD")]
+        request = library.Request(method, request_url) if method and request_url else None
+        return library.Response(status, headers=kept, content=content, request=request)
+    if name == "requests":
+        response = library.Response()
+        response.status_code = status
+        response.headers = library.structures.CaseInsensitiveDict(pairs)
+        response.encoding = library.utils.get_encoding_from_headers(response.headers)
+        response.reason = described.get("reason")
+        response.url = described.get("url", "")
+        response.request = library.Request(method, request_url).prepare() \
+            if method and request_url else None
+        response._content = content
+        response._content_consumed = True
+        return response
+    return _Response(status, str(described.get("url", "")), dict(pairs))
 
 
 # Packages whose exceptions the patched calls raise: patchload's own, and those the patch
@@ -281,7 +357,8 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
         not importable here. The original ``__init__`` is not called: ``args``, ``rank``,
         ``leader_rank`` and ``cause`` are set, plus what handlers read on the plain call's
         exception: an ``OSError``'s ``errno`` / ``strerror`` / ``filename``, an HTTP error's
-        ``response`` (status code, headers, URL), ``request_id`` and ``server_message``.
+        ``response`` (its client library's own, with its request, headers and body) and
+        ``request``, and the plain values the library set on it (``repo_id``, ``request_id``).
     """
     message = description.get("message", "")
     if description.get("cause"):
@@ -309,10 +386,8 @@ def follower_exception(description: dict[str, str], *, rank: int | None, leader_
         for name in ("errno", "strerror", "filename"):
             setattr(exc, name, attributes.get(name))
     if "response" in attributes:
-        response = attributes["response"]
-        exc.response = _Response(int(response["status_code"]), str(response["url"]),
-                                 dict(response["headers"]))
-        exc.request = None
-        exc.request_id = attributes.get("request_id")
-        exc.server_message = attributes.get("server_message")
+        exc.response = _rebuilt_response(attributes["response"])
+        exc.request = getattr(exc.response, "request", None)
+    for name, value in (attributes.get("values") or {}).items():
+        setattr(exc, name, value)
     return exc

@@ -1491,3 +1491,38 @@ def test_the_sampler_shows_the_main_thread_while_it_is_in_a_torch_distributed_fu
     finally:
         watch.stop()
     assert events == [("enter", "all_reduce"), ("leave", 1)]
+
+
+def test_a_followers_hub_error_has_the_response_and_attributes_of_the_plain_one() -> None:
+    """huggingface_hub's error for a missing repo, as ``hf_raise_for_status`` raises it on the
+    leader: a follower's rebuilt one has the same ``repo_id`` / ``repo_type``, and a response of
+    the same client library with the same status, headers (case-insensitive), body, reason and
+    request (``e.response.request.url``, ``e.response.json()``)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+    from huggingface_hub.utils import hf_raise_for_status
+
+    url = "http://127.0.0.1:9/api/models/org/nosuch/revision/main"
+    for name in ("httpx2", "httpx"):
+        try:
+            httpx = __import__(name)
+        except ImportError:
+            continue
+        sent = httpx.Response(404, headers={"X-Error-Code": "RepoNotFound", "x-request-id": "r1",
+                                            "Content-Type": "application/json"},
+                              content=b'{"error":"Repository not found"}',
+                              request=httpx.Request("GET", url))
+        with pytest.raises(RepositoryNotFoundError) as raised:
+            hf_raise_for_status(sent)
+        leader = raised.value
+        exc = follower_exception(json.loads(json.dumps(describe_exception(leader))), rank=1,
+                                 leader_rank=0, note="")
+        assert isinstance(exc, RepositoryNotFoundError) and str(exc) == str(leader)
+        for attribute in ("repo_id", "repo_type", "request_id", "server_message"):
+            assert getattr(exc, attribute) == getattr(leader, attribute), attribute
+        got, plain = exc.response, leader.response
+        assert type(got) is type(plain)
+        assert (got.status_code, got.reason_phrase, got.headers["x-error-code"], got.json(),
+                str(got.request.url), got.request.method) == (
+            plain.status_code, plain.reason_phrase, plain.headers["X-Error-Code"], plain.json(),
+            url, "GET")
+        assert exc.request is got.request
