@@ -346,7 +346,8 @@ def collective_patches() -> list[Patch]:
 def sample_collectives_when_imported() -> None:
     """On a scope's rank 0 of a job of several processes, sample its main thread for the
     collectives that are not wrapped (:mod:`.sampler`) from the import of torch.distributed
-    on, until the install ends. Not collective; never raises."""
+    on (a rank 0 that only its process group names, as under ``torch.multiprocessing.spawn``:
+    from its first call on), until the install ends. Not collective; never raises."""
     import wrapt
 
     def hook(module: object) -> None:
@@ -466,6 +467,7 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
             _report_credentials(call, facts["__credentials__"])
         if call.config.claim_grace_s > 0 and call.topology.rank == scope_rank0(call):
             _publish(call, facts)
+            mine.sampler.start()  # a group built by hand (spawn): known to be rank 0 only now
     except Exception as err:  # noqa: BLE001 - see the docstring
         logger.debug("%s: publishing call %d of %s failed: %s", call.prefix(), position,
                      sequence, err)
