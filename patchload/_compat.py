@@ -8,6 +8,7 @@ imports transformers at import time: each function imports what it needs when ca
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 from ._logging import get_logger
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["config_base", "describe_loading_info", "dtype_plan", "init_copy_",
-           "initialized_by_follower", "loaded_from_leader", "warm_conversions"]
+           "initialize_as_before_loading", "initialized_by_follower", "loaded_from_leader",
+           "warm_conversions"]
 
 logger = get_logger(__name__)
 
@@ -68,6 +70,21 @@ def initialized_by_follower(info: dict[str, Any]) -> set[str] | None:
     except ImportError:  # transformers 4.x
         return None if keys else set()
     return keys
+
+
+def initialize_as_before_loading(model: Any) -> None:
+    """A follower that skips transformers 4.x's loading step for the leader's tensors: first do
+    what that step does before it reads the checkpoint where no key is missing,
+    ``_initialize_missing_keys([])``: 4.57 runs ``_init_weights`` on every module holding a
+    non-persistent buffer there (drawing from the rank's own random stream, as a plain load
+    does). Nothing on 5.x, which initialises them after the replaced step."""
+    try:
+        from transformers.utils.loading_report import LoadStateDictInfo  # noqa: F401
+    except ImportError:  # transformers 4.x
+        initialize = getattr(model, "_initialize_missing_keys", None)
+        if initialize is not None and \
+                list(inspect.signature(initialize).parameters) == ["missing_keys", "is_quantized"]:
+            initialize([], False)
 
 
 def loaded_from_leader(model: Any, info: dict[str, Any]) -> Any:

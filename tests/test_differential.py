@@ -334,11 +334,27 @@ def _architectures_setup(ctx: SetupContext) -> None:
         folder = ctx.assets / repo.replace("/", "--")
         model.save_pretrained(folder)
         ctx.hub.add_repo(repo, folder)
+    _toy_random_setup(ctx)
     # The same Mixtral saved in transformers 5's own (fused) layout: its load converts nothing.
     folder = ctx.assets / "diff--mixtral-fused"
     moe.save_pretrained(folder, save_original_format=False)
     ctx.hub.add_repo("diff/mixtral-fused", folder)
 
+
+def _toy_random_setup(ctx: SetupContext) -> None:
+    """A model with a non-persistent buffer that its ``_init_weights`` draws from the rank's
+    own random stream (no checkpoint holds it)."""
+    folder = _models().tiny_custom(ctx.assets / "diff--toy-random", scale_init="normal", seed=27)
+    ctx.hub.add_repo("diff/toy-random", folder)
+
+
+# The model of _toy_random_setup, each rank seeded otherwise: a follower's buffer is its own
+# draw, as a plain rank's, in a converting load and a zero-copy one.
+TOY_RANDOM_STEPS: Final = tuple(
+    {"name": f"toy-random-buffer{suffix}", "op": "model", "repo": "diff/toy-random",
+     "cls": "AutoModel", "import_first": "patchload.testing.models", "seed": 78,
+     "seed_plus_rank": True, "kwargs": kwargs, "rand_after": 3}
+    for suffix, kwargs in (("-bf16", {"dtype": "bfloat16"}), ("", {})))
 
 ARCHITECTURES = Scenario(
     "architectures", (
@@ -356,6 +372,7 @@ ARCHITECTURES = Scenario(
          "cls": "AutoModelForImageClassification", "seed": 77, "seed_plus_rank": True,
          "kwargs": {"num_labels": 5, "ignore_mismatched_sizes": True,
                     "output_loading_info": True}, "rand_after": 3},
+        *TOY_RANDOM_STEPS,
         {"name": "whisper-auto", "op": "model", "repo": "diff/whisper-fp16",
          "cls": "AutoModelForSpeechSeq2Seq", "kwargs": {"dtype": "auto"}},
         {"name": "whisper-fp32", "op": "model", "repo": "diff/whisper-fp16",

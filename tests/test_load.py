@@ -483,9 +483,10 @@ def test_two_nodes_read_the_checkpoint_once_per_cache(two_nodes_job: Job,
             assert (_ALONGSIDE in lines) == (case not in shared_cases), (case, rank, lines)
     if two_nodes_job.extra["cache"] == "shared-cache":
         # Node 1's leader received the broadcast straight into the blob it shares: the node
-        # holds one copy of the model, never a private one beside the blob.
+        # holds one copy of the model, never a private one beside the blob. Only its own
+        # non-persistent buffers are copied there (each rank computes those itself, as plain).
         assert len(shares[2]) == len(NODE_CASES), output[-3000:]
-        assert all(copied == "0" and int(total) > 0 for total, copied in shares[2]), shares
+        assert all(10 * int(copied) < int(total) for total, copied in shares[2]), shares
     # A node leader that reads its disk (with the shared cache, the one that then broadcasts
     # to the other node) converts (llama_as_bf16, big_as_f32) straight into its node's blob:
     # only what the load did not make there (non-persistent buffers) is copied.

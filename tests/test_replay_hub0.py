@@ -8,7 +8,9 @@ online; offline it reads ``config.json``, warns, and with ``fix_mistral_regex=Tr
 ids), the same with the leader's ``model_info`` answered 404, a remote-code model (its
 ``model_info`` after the weights), a sentence-transformers model saved byte for byte (its model
 card asks ``model_info`` online), and user code's own metadata calls (rank 0 asks, the others
-get its answers). On huggingface_hub >= 1 the same scenarios run in ``test_differential.py``.
+get its answers); and a model whose non-persistent buffer its ``_init_weights`` draws from each
+rank's own random stream (4.57 initialises it inside the loading step a follower replaces). On
+huggingface_hub >= 1 the same scenarios run in ``test_differential.py``.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ def _setup(ctx: SetupContext) -> None:
     td._remote_setup(ctx)
     td._llama(ctx, "rp/api", seed=46, with_tokenizer=False)
     td._sentence_setup(ctx)
+    td._toy_random_setup(ctx)
 
 
 HUB0_REPLAY = Scenario(
     "hub0-replay", (*td.MISTRAL.steps, td.REMOTE_CODE.steps[0], *td.SENTENCE.steps,
-                    *td.HUB_API.steps),
+                    *td.HUB_API.steps, *td.TOY_RANDOM_STEPS),
     Requests.ONE_PER_CACHE, setup=_setup, per_run=td._mistral_run)
 GROUP = Group("hub0-replay", (HUB0_REPLAY,), nproc=3)
 

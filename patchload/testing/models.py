@@ -264,13 +264,17 @@ class PatchloadToyConfig(config_base()):  # type: ignore[misc]
     hidden_size: int = 16
     buffer_scale: float = 0.5
     """The non-persistent ``scale`` buffer is ``arange(hidden_size) * buffer_scale``."""
+    scale_init: str = "arange"
+    """``"normal"``: ``scale`` is drawn from torch's random stream instead (a rank seeded
+    otherwise gets other values, as for a new head)."""
 
 
 class PatchloadToyModel(PreTrainedModel):
     """A custom model with both kinds of buffer, to check that loading restores each correctly.
 
     * ``scale`` (non-persistent, 1-D float32, ``hidden_size``): not in the checkpoint; computed from
-      the config as ``arange(hidden_size) * config.buffer_scale`` in :meth:`_init_weights`
+      the config as ``arange(hidden_size) * config.buffer_scale`` (or drawn: ``scale_init``) in
+      :meth:`_init_weights`
       (transformers 5.x leaves non-persistent buffers uninitialised after loading until
       ``_init_weights`` fills them).
     * ``offset`` (persistent, 1-D float32, ``hidden_size``): saved in the checkpoint;
@@ -295,7 +299,10 @@ class PatchloadToyModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, PatchloadToyModel):
             hidden = self.config.hidden_size
-            expected = torch.arange(hidden, dtype=torch.float32) * self.config.buffer_scale
+            if self.config.scale_init == "normal":
+                expected = torch.randn(hidden)
+            else:
+                expected = torch.arange(hidden, dtype=torch.float32) * self.config.buffer_scale
             init_copy_(module.scale, expected.to(module.scale.dtype))
             init_copy_(module.offset, torch.zeros_like(module.offset))
 
@@ -309,8 +316,9 @@ AutoModel.register(PatchloadToyConfig, PatchloadToyModel, exist_ok=True)
 
 
 def tiny_custom(folder: str | Path, *, hidden_size: int = 16, buffer_scale: float = 0.5,
-                seed: int = 0) -> Path:
-    """Writes a :class:`PatchloadToyModel` repo (no tokenizer).
+                scale_init: str = "arange", seed: int = 0) -> Path:
+    """Writes a :class:`PatchloadToyModel` repo (no tokenizer; ``scale_init``: see
+    :class:`PatchloadToyConfig`).
 
     The checkpoint holds ``embed.weight``, ``proj.weight``, ``proj.bias`` and the persistent
     ``offset`` buffer (``arange(hidden_size) * 2 + 1``), but not the non-persistent ``scale``.
@@ -318,7 +326,8 @@ def tiny_custom(folder: str | Path, *, hidden_size: int = 16, buffer_scale: floa
     Returns:
         ``Path(folder)``.
     """
-    config = PatchloadToyConfig(hidden_size=hidden_size, buffer_scale=buffer_scale)
+    config = PatchloadToyConfig(hidden_size=hidden_size, buffer_scale=buffer_scale,
+                                scale_init=scale_init)
     with _seeded(seed):
         model = PatchloadToyModel(config)
     with torch.no_grad():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .._compat import initialized_by_follower
+from .._compat import initialize_as_before_loading, initialized_by_follower
 from ..coordination.call import Mode, VerificationFailed, verify_so_far
 from ..transport.registry import transports
 from ..transport.tensors import Owners, named_tensors
@@ -144,6 +144,7 @@ def receive(mode: Mode, model: Any, plan: Any = None) -> bool:
     if tensors is None:  # not a member, a broken broadcast, a failed attach: load plainly
         return False
     _check_structure(model, entries, [meta_of(t) for t in tensors], skip)
+    initialize_as_before_loading(model)  # nothing fails after it: no plain load draws twice
     _assemble(model, entries, tensors, skip)
     mode.load.weights_received = True
     mode.load.received = (entries, tensors, skip)
