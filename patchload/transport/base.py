@@ -91,6 +91,8 @@ class WeightTransport(Protocol):
         ...
 
     def settle(self, call: Call, model: torch.nn.Module, weights: dict[str, Any],
-               tensors: list[torch.Tensor]) -> None:
-        """Follower, once ``model`` holds ``tensors`` for good (the call returned)."""
+               tensors: list[torch.Tensor | None]) -> None:
+        """Follower, once ``model`` holds ``tensors`` for good (the call returned); ``tensors``
+        in the order of the leader's entries, None where the model holds a tensor of this
+        rank's own instead (one it initialises itself, as a plain load does)."""
         ...

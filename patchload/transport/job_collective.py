@@ -261,5 +261,5 @@ class CollectiveWeights:
         self.receive(call, weights, state)
 
     def settle(self, call: Call, model: torch.nn.Module, weights: dict[str, Any],
-               tensors: list[torch.Tensor]) -> None:
+               tensors: list[torch.Tensor | None]) -> None:
         """Nothing: received tensors are this rank's own memory."""

@@ -122,7 +122,7 @@ class ShmWeights:
         """Nothing: the leader never waits for a follower's mapping."""
 
     def settle(self, call: Call, model: torch.nn.Module, weights: dict[str, Any],
-               tensors: list[torch.Tensor]) -> None:
+               tensors: list[torch.Tensor | None]) -> None:
         """Track the model while it maps the blob (its weights leave it before being written)."""
         storages = _blob_storages(weights["descriptor"], tensors)
         if storages:
@@ -156,12 +156,13 @@ def discard_arena(model: torch.nn.Module, state: LoadState) -> None:
     arena.close()
 
 
-def _blob_storages(descriptor: dict[str, Any], tensors: list[torch.Tensor]
+def _blob_storages(descriptor: dict[str, Any], tensors: list[torch.Tensor | None]
                    ) -> list[torch.UntypedStorage]:
-    """The storages of those of ``tensors`` (in the order of the descriptor's entries) that
-    view this rank's mapping of the blob: it lives while any of them does."""
+    """The storages of those of ``tensors`` (in the order of the descriptor's entries; None
+    where this rank holds its own) that view this rank's mapping of the blob: it lives while
+    any of them does."""
     return [tensor.untyped_storage() for entry, tensor in zip(descriptor["tensors"], tensors)
-            if entry["kind"] == "blob"]
+            if entry["kind"] == "blob" and tensor is not None]
 
 
 def _trim_heap() -> None:

@@ -202,7 +202,9 @@ def settle_weights(result: Any, mode: Mode) -> Any:
                 tensor._is_hf_initialized = marked[str(index)]
             elif hasattr(tensor, "_is_hf_initialized"):
                 del tensor._is_hf_initialized
-        transports().get(weights["transport"]).settle(mode.call, model, weights, tensors)
+        held = {index for name, _, index, _ in entries if name not in skip}
+        transports().get(weights["transport"]).settle(
+            mode.call, model, weights, [t if i in held else None for i, t in enumerate(tensors)])
         # The model holds them now; no other reference may pin a mapping (see mapped_models).
         mode.load.received = None
     return result
