@@ -26,6 +26,7 @@ __all__ = [
     "PatchConflictError",
     "describe_exception",
     "follower_exception",
+    "requests_response",
 ]
 
 
@@ -263,18 +264,31 @@ def _rebuilt_response(described: dict[str, Any]) -> Any:
         request = library.Request(method, request_url) if method and request_url else None
         return library.Response(status, headers=kept, content=content, request=request)
     if name == "requests":
-        response = library.Response()
-        response.status_code = status
-        response.headers = library.structures.CaseInsensitiveDict(pairs)
-        response.encoding = library.utils.get_encoding_from_headers(response.headers)
-        response.reason = described.get("reason")
-        response.url = described.get("url", "")
-        response.request = library.Request(method, request_url).prepare() \
+        request = library.Request(method, request_url).prepare() \
             if method and request_url else None
-        response._content = content
-        response._content_consumed = True
-        return response
+        return requests_response(library, status, pairs, content, request,
+                                 reason=described.get("reason"), url=described.get("url", ""))
     return _Response(status, str(described.get("url", "")), dict(pairs))
+
+
+def requests_response(requests: Any, status: int, headers: list[tuple[str, str]] | list[list[str]],
+                      content: bytes, request: Any, *, reason: str | None = None,
+                      url: str | None = None) -> Any:
+    """A ``requests.Response`` as ``HTTPAdapter.build_response`` makes it, its body already
+    read (no connection behind it: ``raw`` is None). ``reason``: the standard phrase of
+    ``status`` when None; ``url``: the request's when None."""
+    import http.client
+
+    response = requests.Response()
+    response.status_code = status
+    response.headers = requests.structures.CaseInsensitiveDict([tuple(h) for h in headers])
+    response.encoding = requests.utils.get_encoding_from_headers(response.headers)
+    response.reason = http.client.responses.get(status, "") if reason is None else reason
+    response.url = (getattr(request, "url", "") or "") if url is None else url
+    response.request = request
+    response._content = content
+    response._content_consumed = True
+    return response
 
 
 # Packages whose exceptions the patched calls raise: patchload's own, and those the patch

@@ -24,12 +24,12 @@ import collections
 import contextlib
 import contextvars
 import hashlib
-import http.client
 import importlib.metadata
 import sys
 import threading
 from typing import Any, Callable, Final, Iterator
 
+from .._errors import requests_response
 from .._logging import get_logger
 from .._patching import Patch
 
@@ -284,26 +284,10 @@ def _response(entry: dict[str, Any], request: Any, key: str) -> Any:
         raise rebuilt_error(entry["error"], key, _ERROR_PACKAGES, request=request)
     content = base64.b64decode(entry["content"])
     if package.__name__ == "requests":
-        return _requests_response(package, entry["status"], entry["headers"], content, request)
+        return requests_response(package, entry["status"], entry["headers"], content, request)
     dropped = _UNREPLAYED_HEADERS - ({"content-length"} if request.method == "HEAD" else set())
     headers = [(name, value) for name, value in entry["headers"] if name.lower() not in dropped]
     return package.Response(entry["status"], headers=headers, content=content, request=request)
-
-
-def _requests_response(requests: Any, status: int, headers: list[list[str]],
-                       content: bytes, request: Any) -> Any:
-    """A ``requests.Response`` as ``HTTPAdapter.build_response`` makes it, its body already
-    read (no connection behind it: ``raw`` is None)."""
-    response = requests.Response()
-    response.status_code = status
-    response.headers = requests.structures.CaseInsensitiveDict([tuple(h) for h in headers])
-    response.encoding = requests.utils.get_encoding_from_headers(response.headers)
-    response.reason = http.client.responses.get(status, "")
-    response.url = request.url
-    response.request = request
-    response._content = content
-    response._content_consumed = True
-    return response
 
 
 def rebuilt_error(error: dict[str, str], key: str, packages: tuple[str, ...],
