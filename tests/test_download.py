@@ -112,7 +112,7 @@ def _two_nodes(hub: LoopbackHub, root: Path, *, shared_home: bool, hosts: str) -
     else:
         homes = [root / "hf-node0", root / "hf-node1"]
         # A marker an earlier job left (stopped by SIGTERM) in node 1's cache never counts.
-        stale = homes[1] / "hub" / ".patchload-scope-0123456789abcdef"
+        stale = homes[1] / "hub" / ".locks" / ".patchload-scope-0123456789abcdef"
         stale.parent.mkdir(parents=True)
         stale.touch()
     envs = [job_env(hub.endpoint, home, out, PLT_RECORD_ATTACHES="1") for home in homes]

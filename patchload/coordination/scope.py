@@ -7,8 +7,9 @@
 blocked in the user's own collective, costs nobody anything):
 
 1. **Markers.** One rank of each node shows its node's view of the cache: it creates a marker
-   file named with a fresh nonce in its cache (``.patchload-scope-<nonce>``, removed at its
-   exit), then publishes the nonce under ``scope/<cache>/node/<n>`` (first come: the other
+   file named with a fresh nonce in its cache's lock folder (``.locks/.patchload-scope-<nonce>``,
+   removed at its exit; ``scan_cache_dir`` skips that folder, so the cache lists as plain),
+   then publishes the nonce under ``scope/<cache>/node/<n>`` (first come: the other
    ranks of the node find it published and write none). It does so as soon as it can: when
    huggingface_hub is imported (under torchrun, whose agent store exists from the start), else
    at its first patched call.
@@ -77,11 +78,18 @@ def _remove(path: Path) -> None:
         os.unlink(path)
 
 
+def _marker(cache: Path, nonce: str) -> Path:
+    """Where the marker of ``nonce`` lies in ``cache``: in huggingface_hub's own lock folder,
+    which its ``scan_cache_dir`` skips (a file beside the repo folders is reported there as a
+    corrupted repo, which a plain rank's scan does not show)."""
+    return cache / ".locks" / f".patchload-scope-{nonce}"
+
+
 def _write_marker(cache: Path, nonce: str) -> Path:
-    """Create the marker ``.patchload-scope-<nonce>`` in ``cache`` (mode 0600, never through a
+    """Create the marker of ``nonce`` in ``cache`` (:func:`_marker`; mode 0600, never through a
     symlink) and remove it at exit."""
-    marker = cache / f".patchload-scope-{nonce}"
-    cache.mkdir(parents=True, exist_ok=True)
+    marker = _marker(cache, nonce)
+    marker.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     os.close(fd)
     atexit.register(_remove, marker)
@@ -124,7 +132,7 @@ def _decide(topology: Topology, store: JobStore, cache: Path) -> tuple[str, str]
                 unseen.append(node)
                 continue
             nonce = json.loads(store.store.get(key))
-            if not (cache / f".patchload-scope-{nonce}").exists():
+            if not _marker(cache, nonce).exists():
                 elsewhere.append(node)
     if elsewhere:
         return "node", (f"{_nodes(elsewhere)} wrote a marker into a hub cache that is not this "
