@@ -1526,3 +1526,48 @@ def test_a_followers_hub_error_has_the_response_and_attributes_of_the_plain_one(
             plain.status_code, plain.reason_phrase, plain.headers["X-Error-Code"], plain.json(),
             url, "GET")
         assert exc.request is got.request
+
+
+def test_a_scope_marker_leaves_the_cache_listing_as_plain(hub, tmp_path, monkeypatch):
+    """A node's scope marker (several nodes, ``PATCHLOAD_DOWNLOAD_SCOPE=auto``) lies in the hub
+    cache while the job runs. Beside the repo folders, ``scan_cache_dir`` reported it as a
+    corrupted repo ("Repo path is not a directory"), a warning a plain rank's scan does not
+    show (found by a break test); in the cache's ``.locks`` folder it is skipped."""
+    from huggingface_hub import hf_hub_download, scan_cache_dir
+
+    from patchload.coordination import scope as _scope
+
+    cache = tmp_path / "hub"
+    hf_hub_download("org/gpt2", "config.json", cache_dir=cache, endpoint=hub.endpoint)
+    plain, listed = scan_cache_dir(cache), sorted(os.listdir(cache))
+    monkeypatch.setattr(_scope.atexit, "register", lambda *a, **k: None)
+    marker = _scope._write_marker(cache, "0123456789abcdef")
+    try:
+        scanned = scan_cache_dir(cache)
+        assert marker.exists()
+        assert [str(w) for w in scanned.warnings] == [str(w) for w in plain.warnings] == []
+        assert [r.repo_id for r in scanned.repos] == [r.repo_id for r in plain.repos] == [
+            "org/gpt2"]
+        assert sorted(os.listdir(cache)) == listed
+    finally:
+        marker.unlink()
+
+
+def test_a_rank_that_left_rank0s_collective_does_not_take_rank0_for_blocked_in_it():
+    """Rank 0's state shows it blocked in a collective of the default group until its watcher
+    thread writes the change, a little after the collective returned. A rank that has returned
+    from that collective too (its own count of them reached rank 0's ``seq``) read it as
+    blocked, stopped waiting for rank 0 and led the next call itself, making its hub requests
+    (found by a break test, after a barrier one rank came late to)."""
+    from patchload.coordination import rank0 as _rank0
+    from patchload.coordination.identity import node_id
+
+    state = {"pid": os.getpid(), "node": node_id(), "facts": None, "blocked": "barrier",
+             "following": False, "exited": False}
+    left = _rank0._rank0().state.left_world()
+    assert _rank0._stop({**state, "seq": left + 1}, None, 0) == \
+        "rank 0 is blocked in torch.distributed.barrier"
+    assert _rank0._stop({**state, "seq": None}, None, 0) is not None  # another group's: no count
+    _rank0._rank0().state.left_world(1)  # this rank returned from that barrier too
+    assert _rank0._stop({**state, "seq": left + 1}, None, 0) is None
+    assert _rank0._stop({**state, "seq": left + 2}, None, 0) is not None  # rank 0's next one

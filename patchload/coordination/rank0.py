@@ -135,6 +135,7 @@ class _State:
         self._entries: dict[int, tuple[str, float, int | None]] = {}
         self._next = 0
         self._world = 0  # blocking collectives of the default group entered so far
+        self._world_left = 0  # ... and returned from (every rank counts these)
         self._facts: dict[str, str] | None = None
         self._exited = False
         self._rank: int | None = None
@@ -166,6 +167,13 @@ class _State:
         with self._cond:
             self._entries.pop(token, None)
             self._cond.notify()
+
+    def left_world(self, n: int | None = None) -> int:
+        """How many blocking collectives of the default group this process has returned from;
+        with ``n``, first count ``n`` more."""
+        with self._cond:
+            self._world_left += n or 0
+            return self._world_left
 
     def facts(self, store: JobStore, rank: int, facts: dict[str, str] | None) -> None:
         """Publish (now, on the caller's thread) this rank's facts into ``store`` too."""
@@ -290,14 +298,24 @@ def _collective(name: str) -> Callable[..., Any]:
                 kwargs: dict[str, Any]) -> Any:
         from .._topology import current_topology
 
-        if kwargs.get("async_op") or not _is_some_rank0(current_topology()) \
-                or not current_topology().distributed:
+        topology = current_topology()
+        if kwargs.get("async_op") or not topology.distributed:
             return wrapped(*args, **kwargs)
-        token = _rank0().state.enter(name, world=_on_world_group(name, wrapped, args, kwargs))
+        state = _rank0().state
+        world = _on_world_group(name, wrapped, args, kwargs)
+        # Every rank counts the default group's collectives it returned from: a rank that has
+        # left rank 0's published one knows that state is stale (see _stop).
+        if not _is_some_rank0(topology):
+            result = wrapped(*args, **kwargs)
+            state.left_world(int(world))
+            return result
+        token = state.enter(name, world=world)
         try:
-            return wrapped(*args, **kwargs)
+            result = wrapped(*args, **kwargs)
         finally:
-            _rank0().state.leave(token)
+            state.leave(token)
+        state.left_world(int(world))
+        return result
 
     return wrapper
 
@@ -693,7 +711,11 @@ def _stop(state: dict[str, Any] | None, placement: Placement | None, rank0: int)
         return f"rank {rank0} exited"
     if not process_alive(str(state["node"]), int(state["pid"])):
         return f"rank {rank0}'s process (pid {state['pid']}) is gone"
-    if state.get("blocked"):
+    # A collective of the default group that this rank has returned from too is one rank 0
+    # is leaving: its state says so only once its watcher thread has written it (found by a
+    # break test: a rank coming out of a barrier took rank 0 for blocked and led the next call).
+    if state.get("blocked") and (state.get("seq") is None
+                                 or _rank0().state.left_world() < int(state["seq"])):
         return f"rank {rank0} is blocked in torch.distributed.{state['blocked']}"
     nested = placement is None or placement.sequence.endswith("/nested")
     if nested and state.get("following"):
