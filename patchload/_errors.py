@@ -9,6 +9,7 @@ plain call still catches it.
 from __future__ import annotations
 
 import base64
+import http.client
 import importlib
 import sys
 from typing import Any, Final
@@ -277,8 +278,6 @@ def requests_response(requests: Any, status: int, headers: list[tuple[str, str]]
     """A ``requests.Response`` as ``HTTPAdapter.build_response`` makes it, its body already
     read (no connection behind it: ``raw`` is None). ``reason``: the standard phrase of
     ``status`` when None; ``url``: the request's when None."""
-    import http.client
-
     response = requests.Response()
     response.status_code = status
     response.headers = requests.structures.CaseInsensitiveDict([tuple(h) for h in headers])

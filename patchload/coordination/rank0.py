@@ -303,17 +303,14 @@ def _collective(name: str) -> Callable[..., Any]:
             return wrapped(*args, **kwargs)
         state = _rank0().state
         world = _on_world_group(name, wrapped, args, kwargs)
-        # Every rank counts the default group's collectives it returned from: a rank that has
-        # left rank 0's published one knows that state is stale (see _stop).
-        if not _is_some_rank0(topology):
-            result = wrapped(*args, **kwargs)
-            state.left_world(int(world))
-            return result
-        token = state.enter(name, world=world)
+        token = state.enter(name, world=world) if _is_some_rank0(topology) else None
         try:
             result = wrapped(*args, **kwargs)
         finally:
-            state.leave(token)
+            if token is not None:
+                state.leave(token)
+        # Every rank counts the default group's collectives it returned from: a rank that has
+        # left rank 0's published one knows that state is stale (see _stop).
         state.left_world(int(world))
         return result
 
