@@ -1493,6 +1493,27 @@ def test_the_sampler_shows_the_main_thread_while_it_is_in_a_torch_distributed_fu
     assert events == [("enter", "all_reduce"), ("leave", 1)]
 
 
+def test_the_sampler_leaves_wrapped_collectives_to_their_wrappers() -> None:
+    """rank 0's sampler is built with the names patchload wraps: a barrier shows through its
+    wrapper only, counted among the default group's collectives. A sampled, uncounted entry
+    outlived the wrapper's by a sample, and ranks that had left the barrier took rank 0 for
+    blocked in it and led the next call (found by a break test with busy cores)."""
+    from patchload.coordination import rank0 as _rank0
+
+    assert "barrier" in _rank0._rank0().sampler._wrapped
+    events: list[str] = []
+    namespace: dict[str, Any] = {"__name__": "torch.distributed.distributed_c10d", "time": time}
+    exec("def barrier(seconds):\n    time.sleep(seconds)\n", namespace)  # noqa: S102
+    watch = type(_rank0._rank0().sampler)(lambda name: events.append(name) or 1,
+                                          lambda token: None, frozenset({"barrier"}))
+    watch.start()
+    try:
+        namespace["barrier"](0.3)
+    finally:
+        watch.stop()
+    assert events == []
+
+
 def test_a_followers_hub_error_has_the_response_and_attributes_of_the_plain_one() -> None:
     """huggingface_hub's error for a missing repo, as ``hf_raise_for_status`` raises it on the
     leader: a follower's rebuilt one has the same ``repo_id`` / ``repo_type``, and a response of

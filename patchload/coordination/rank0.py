@@ -418,7 +418,8 @@ class _Rank0:
                                             "call": None}
         # id(store) -> (store, the sequence entries this process published there as rank 0)
         self.published: dict[int, tuple[JobStore, list[str]]] = {}
-        self.sampler = CollectiveSampler(self.state.enter, self.state.leave)
+        self.sampler = CollectiveSampler(self.state.enter, self.state.leave,
+                                         frozenset(_COLLECTIVES))
 
     def close(self) -> None:
         self.sampler.stop()

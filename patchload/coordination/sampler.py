@@ -49,10 +49,14 @@ class CollectiveSampler:
     """A daemon thread that samples the main thread every :data:`SAMPLE_S` seconds (see the
     module docstring) and keeps one entry, through ``enter(name)`` (returns a token) and
     ``leave(token)``, while the main thread is in that ``torch.distributed`` function. Runs
-    from :meth:`start` until :meth:`stop` (the install ends); never does I/O."""
+    from :meth:`start` until :meth:`stop` (the install ends); never does I/O. Functions named
+    in ``wrapped`` are left to their wrappers, which report them with their count among the
+    default group's collectives (a sampled entry, uncounted, could outlive the wrapper's by a
+    sample and show rank 0 blocked in a collective the other ranks have left)."""
 
-    def __init__(self, enter: Callable[[str], int], leave: Callable[[int], None]) -> None:
-        self._enter, self._leave = enter, leave
+    def __init__(self, enter: Callable[[str], int], leave: Callable[[int], None],
+                 wrapped: frozenset[str] = frozenset()) -> None:
+        self._enter, self._leave, self._wrapped = enter, leave, wrapped
         self._lock = threading.Lock()
         self._token: int | None = None
         self._seen: str | None = None
@@ -71,7 +75,8 @@ class CollectiveSampler:
         # Calls of one collective back to back read as one long call (a sample cannot tell
         # them apart): at worst a waiting rank stops waiting for a rank 0 that was not blocked,
         # and leads the call itself.
-        self._show(collective_of(sys._current_frames().get(threading.main_thread().ident or -1)))
+        seen = collective_of(sys._current_frames().get(threading.main_thread().ident or -1))
+        self._show(None if seen in self._wrapped else seen)
 
     def _show(self, seen: str | None) -> None:
         if seen == self._seen:
