@@ -91,7 +91,7 @@ def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, 
         time.sleep(0.05)
 
 
-def wait_followers_done(call: Call, timeout_s: float) -> None:
+def wait_followers_done(call: Call, timeout_s: float, *, before: str) -> None:
     """Leader: wait until every follower that arrived at ``call`` is done with it (or dead).
 
     Bounded by ``timeout_s`` seconds; logs what it waits for. Used before a leader exits while
@@ -100,6 +100,7 @@ def wait_followers_done(call: Call, timeout_s: float) -> None:
     Args:
         call: a call this rank leads.
         timeout_s: the most this waits, in seconds.
+        before: what the leader does next, for the log (``"exiting"``).
     """
     deadline = time.monotonic() + timeout_s
     logged = False
@@ -108,7 +109,8 @@ def wait_followers_done(call: Call, timeout_s: float) -> None:
         if not pending:
             return
         if not logged:
-            logger.info("%s: before exiting, waiting up to %.0f s for ranks %s to take the "
-                        "shared weights", call.prefix(), deadline - time.monotonic(), pending)
+            logger.info("%s: before %s, waiting up to %.0f s for ranks %s to take the "
+                        "shared weights", call.prefix(), before, deadline - time.monotonic(),
+                        pending)
             logged = True
         time.sleep(0.05)

@@ -72,6 +72,7 @@ class ShmWeights:
         one tensor)."""
         from . import shm
 
+        self.shares.make_room()
         shared_bytes = sum(t.numel() * t.element_size() for t in tensors)
         pending = [t.detach() for t in tensors]
         tensors.clear()

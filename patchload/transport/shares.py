@@ -9,7 +9,10 @@ the fd is closed as soon as every follower that arrived at the call is done with
 process is gone), and every rank of the node that has not arrived yet is waited for until
 ``_LATE_S`` seconds after the share; from then on the blob lives only as long as some
 follower's tensors map it. A thread of the leader watches its mappings (no store request
-while they live); at exit (and at uninstall) the leader waits (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for
+while they live). Before it shares a new blob, the leader also waits (at most ``_LATE_S``
+seconds) for the followers that arrived at the older blobs it left: in a loop of loads whose
+followers lag, the node then keeps one blob per load they are still taking, not one per load the
+leader ran ahead of them (a blob is a model's worth of memory). At exit (and at uninstall) the leader waits (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for
 the followers that arrived, then closes every blob. A rank that reaches the call after its blob
 is closed loads from the cache the leader filled (with a warning).
 """
@@ -71,6 +74,23 @@ class OpenShares:
             self._shares.append(share)
             self._watcher.ensure()
 
+    def make_room(self) -> None:
+        """Leader, before it shares a new blob: close each older blob its own tensors left once
+        the followers that arrived at its call are done with it (waiting at most ``_LATE_S``
+        seconds in all; a rank that has not arrived is not waited for here). Not collective."""
+        with self._lock:
+            shares = [s for s in self._shares if s.unmapped()]
+        deadline = time.monotonic() + _LATE_S
+        for share in shares:
+            try:
+                wait_followers_done(share.call, max(0.0, deadline - time.monotonic()),
+                                    before="sharing another blob")
+            except Exception as err:  # noqa: BLE001 - the watcher closes it later
+                logger.debug("%s: waiting for the followers of a shared blob failed: %s",
+                             share.call.prefix(), err)
+                continue
+            self._close_if_done(share)
+
     def release_at_exit(self) -> None:
         """Wait (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived
         at each shared call to take the weights, then close every blob.
@@ -83,7 +103,8 @@ class OpenShares:
             shares = list(self._shares)
         for share in shares:
             elapsed = time.monotonic() - start
-            wait_followers_done(share.call, max(0.0, share.call.config.exit_wait_s - elapsed))
+            wait_followers_done(share.call, max(0.0, share.call.config.exit_wait_s - elapsed),
+                                before="exiting")
             self._release(share)
 
     def _watch(self) -> None:
