@@ -127,6 +127,65 @@ def test_the_shares_watcher_has_ended_when_the_exit_releases(tmp_path: Path) -> 
     assert done.stdout.split() == ["1", "0"], done.stdout + done.stderr[-3000:]
 
 
+_MAKE_ROOM = """
+import gc, json, os, threading, time, torch
+from patchload import _state
+from patchload._topology import current_topology
+from patchload.coordination.identity import node_id
+from patchload.coordination.protocol import call_key, claim
+from patchload.transport.shares import OpenShares
+
+
+def blob(name):
+    call, _ = claim(call_key(name, {}, scope="node", topology=current_topology(),
+                             config=_state.config(), what=name + "()"))
+    mapping = torch.UntypedStorage(64)
+    shares.add(call, {}, [mapping])
+    del mapping
+    gc.collect()  # the leader's model is gone: only followers keep the blob open
+    return call
+
+
+shares = OpenShares()
+# Rank 1 arrived at the first blob's call and takes 1.5 s to finish it.
+taken = blob("taken")
+with taken.store.lock:
+    taken.store.store.set(taken.keys.arrived(1), json.dumps({"pid": os.getpid(),
+                                                             "node": node_id()}))
+threading.Timer(1.5, lambda: taken.store.store.set(taken.keys.done(1), "1")).start()
+start = time.monotonic()
+shares.make_room()
+print("waited", round(time.monotonic() - start, 1), "open", len(shares._shares), flush=True)
+# Rank 1 never arrived at the second blob's call (a loop on rank 0 alone): no wait for it.
+blob("alone")
+start = time.monotonic()
+shares.make_room()
+print("waited", round(time.monotonic() - start, 1), "open", len(shares._shares), flush=True)
+shares.release_at_exit()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_closes_the_blobs_its_followers_took_before_it_shares_another(
+        tmp_path: Path) -> None:
+    """A node leader looping over loads ran ahead of followers that lagged and kept one blob (a
+    model's worth of memory) per load it was ahead (CI: 3 memfds on rank 0 in the 50-load test).
+    Before sharing another blob it now waits for the followers that arrived at the older ones
+    and closes them; a rank that has not arrived is not waited for."""
+    env = job_env("http://127.0.0.1:9", tmp_path / "hf", tmp_path / "out", TMPDIR=str(tmp_path),
+                  WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK="0", LOCAL_RANK="0",
+                  PATCHLOAD_EXIT_WAIT="0")
+    done = subprocess.run([sys.executable, "-c", _MAKE_ROOM], env=env, text=True,
+                          capture_output=True, timeout=50, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("waited")]
+    (_, first_s, _, first_open), (_, alone_s, _, alone_open) = lines
+    # The first wait ended with rank 1's done (1.5 s), not its 5 s bound, and closed that blob.
+    assert 1.2 <= float(first_s) < 4.5 and first_open == "0", done.stdout + done.stderr[-3000:]
+    # Rank 1 may still come to the second blob (kept open), but it was not waited for.
+    assert float(alone_s) < 1.0 and alone_open == "1", done.stdout + done.stderr[-3000:]
+
+
 @pytest.mark.timeout(300)
 def test_a_forked_worker_of_a_rank_is_not_a_rank(hub: LoopbackHub, tmp_path: Path) -> None:
     env = job_env(hub.endpoint, tmp_path / "hf", tmp_path / "out", PATCHLOAD_LOG_LEVEL="INFO")
