@@ -37,7 +37,8 @@ __all__ = ["OpenShares"]
 logger = get_logger(__name__)
 
 _WATCH_S: Final = 0.5  # how often the leader's mappings are looked at (no store request)
-_LATE_S: Final = 5.0  # how long after the share a rank that has not arrived is waited for
+_LATE_S: Final = 5.0  # how long after the share a rank that has not arrived is waited for,
+# and the most a leader waits for older blobs' followers before it shares another
 
 
 @dataclass(eq=False)
