@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 
 from .._logging import get_logger
 from .._topology import Topology
@@ -19,12 +20,13 @@ from .keys import AttemptKeys
 from .protocol import Call
 from .store import JobStore
 
-__all__ = ["gone_ranks", "pending_followers", "wait_followers_done"]
+__all__ = ["followers_seen", "gone_ranks", "pending_followers", "wait_followers_done"]
 
 logger = get_logger(__name__)
 
 
-def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
+def pending_followers(call: Call, *, arrived_only: bool = True,
+                      expected: Collection[int] = ()) -> list[int]:
     """Leader: the followers of ``call`` that may still need something only its process holds.
 
     Not collective; never waits. A follower counts until it is done with the call (its
@@ -35,6 +37,8 @@ def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
         arrived_only: True: only followers that already announced they wait for the outcome
             (a rank that never makes the call is not counted). False: also the ranks of the
             call's scope that have not arrived yet.
+        expected: ranks counted even before they arrive (with ``arrived_only``), as ranks
+            that took part in the leader's earlier loads of the same thing.
 
     Returns:
         Their global ranks, ascending.
@@ -49,7 +53,7 @@ def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
             if r == topology.rank or call.store.store.check([keys.done(r)]):
                 continue
             if not call.store.store.check([keys.arrived(r)]):
-                if not arrived_only:
+                if not arrived_only or r in expected:
                     pending.append(r)
                 continue
             arrived = json.loads(call.store.store.get(keys.arrived(r)))
@@ -57,6 +61,22 @@ def pending_followers(call: Call, *, arrived_only: bool = True) -> list[int]:
                 continue
             pending.append(r)
     return pending
+
+
+def followers_seen(call: Call) -> list[int]:
+    """Leader: the ranks of this node that took part in ``call`` as followers (arrived at it,
+    or every rank of its scope when its keys are already deleted). Not collective; never waits.
+
+    Returns:
+        Their global ranks, ascending (this rank excluded).
+    """
+    topology, keys = call.topology, call.keys
+    ranks = [r for r in topology.node_ranks() if r != topology.rank]
+    with call.store.lock:
+        if not call.store.store.check([keys.leader]):
+            # Deleted by the last rank of the scope to finish: all of them made the call.
+            return ranks if call.expected is None else []
+        return [r for r in ranks if call.store.store.check([keys.arrived(r)])]
 
 
 def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, *,
@@ -91,8 +111,10 @@ def gone_ranks(store: JobStore, key: str, ranks: list[int], topology: Topology, 
         time.sleep(0.05)
 
 
-def wait_followers_done(call: Call, timeout_s: float, *, before: str) -> None:
-    """Leader: wait until every follower that arrived at ``call`` is done with it (or dead).
+def wait_followers_done(call: Call, timeout_s: float, *, before: str,
+                        expected: Collection[int] = ()) -> None:
+    """Leader: wait until every follower that arrived at ``call``, and every rank of
+    ``expected`` whether it arrived or not, is done with it (or dead).
 
     Bounded by ``timeout_s`` seconds; logs what it waits for. Used before a leader exits while
     followers may still need something only its process holds (a shared-memory blob).
@@ -101,11 +123,12 @@ def wait_followers_done(call: Call, timeout_s: float, *, before: str) -> None:
         call: a call this rank leads.
         timeout_s: the most this waits, in seconds.
         before: what the leader does next, for the log (``"exiting"``).
+        expected: see :func:`pending_followers`.
     """
     deadline = time.monotonic() + timeout_s
     logged = False
     while time.monotonic() < deadline:
-        pending = pending_followers(call)
+        pending = pending_followers(call, expected=expected)
         if not pending:
             return
         if not logged:

@@ -10,9 +10,13 @@ process is gone), and every rank of the node that has not arrived yet is waited 
 ``_LATE_S`` seconds after the share; from then on the blob lives only as long as some
 follower's tensors map it. A thread of the leader watches its mappings (no store request
 while they live). Before it shares a new blob, the leader also waits (at most ``_LATE_S``
-seconds) for the followers that arrived at the older blobs it left: in a loop of loads whose
-followers lag, the node then keeps one blob per load they are still taking, not one per load the
-leader ran ahead of them (a blob is a model's worth of memory). At exit (and at uninstall) the leader waits (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for
+seconds) for the followers of the older blobs it left: those that arrived, and those that took
+part in its earlier loads of the same thing (``what``) even if they have not arrived yet. In a
+loop of loads whose followers lag, the node then keeps about one blob per load they are still
+taking, not one per load the leader ran ahead of them (a blob is a model's worth of memory). A
+rank that took part before and does not arrive within the wait is no longer waited for (one
+wait of at most ``_LATE_S`` seconds when a rank leaves a loop); a rank that never took part in
+a load of the same thing is never waited for here. At exit (and at uninstall) the leader waits (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for
 the followers that arrived, then closes every blob. A rank that reaches the call after its blob
 is closed loads from the cache the leader filled (with a warning).
 """
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .._background import Loop
 from .._logging import get_logger
-from ..coordination.followers import pending_followers, wait_followers_done
+from ..coordination.followers import followers_seen, pending_followers, wait_followers_done
 from ..coordination.protocol import Call
 
 if TYPE_CHECKING:
@@ -58,6 +62,8 @@ class OpenShares:
 
     def __init__(self) -> None:
         self._shares: list[_Share] = []
+        # Per ``what``: the ranks that took part in this leader's earlier loads of it.
+        self._regulars: dict[str, set[int]] = {}
         self._lock = threading.RLock()
         self._watcher = Loop("patchload-shares", period_s=_WATCH_S,
                              busy=lambda: bool(self._shares), step=self._watch,
@@ -77,20 +83,27 @@ class OpenShares:
 
     def make_room(self) -> None:
         """Leader, before it shares a new blob: close each older blob its own tensors left once
-        the followers that arrived at its call are done with it (waiting at most ``_LATE_S``
-        seconds in all; a rank that has not arrived is not waited for here). Not collective."""
+        its followers are done with it: those that arrived, and those that took part in earlier
+        loads of the same thing whether they arrived or not (waiting at most ``_LATE_S`` seconds
+        in all). Not collective."""
         with self._lock:
             shares = [s for s in self._shares if s.unmapped()]
         deadline = time.monotonic() + _LATE_S
         for share in shares:
+            what = share.call.what
+            regulars = set(self._regulars.get(what, ()))
             try:
                 wait_followers_done(share.call, max(0.0, deadline - time.monotonic()),
-                                    before="sharing another blob")
+                                    before="sharing another blob", expected=regulars)
+                seen = set(followers_seen(share.call))
             except Exception as err:  # noqa: BLE001 - the watcher closes it later
                 logger.debug("%s: waiting for the followers of a shared blob failed: %s",
                              share.call.prefix(), err)
                 continue
-            self._close_if_done(share)
+            if regulars - seen:
+                logger.debug("%s: ranks %s did not come to this load of %s: no longer waited "
+                             "for", share.call.prefix(), sorted(regulars - seen), what)
+            self._close_if_done(share, seen=seen)
 
     def release_at_exit(self) -> None:
         """Wait (at most ``PATCHLOAD_EXIT_WAIT`` seconds in all) for the followers that arrived
@@ -117,16 +130,23 @@ class OpenShares:
             if share.unmapped() and not self._watcher.stopping:
                 self._close_if_done(share)
 
-    def _close_if_done(self, share: _Share) -> None:
+    def _close_if_done(self, share: _Share, *, seen: set[int] | None = None) -> None:
         """Close the blob once every follower that arrived is done and, for ``_LATE_S`` seconds
-        after the share, every rank of the node (one still on its way gets the blob)."""
+        after the share, every rank of the node (one still on its way gets the blob). Then the
+        ranks that took part (``seen`` when the caller read them) are the ones waited for at
+        this leader's next load of the same thing."""
         late = time.monotonic() - share.shared_at > _LATE_S
         try:
             pending = pending_followers(share.call, arrived_only=late)
+            if not pending and seen is None:
+                seen = set(followers_seen(share.call))
         except Exception as err:  # noqa: BLE001 - tried again by the watcher
             logger.debug("%s: checking the followers of a shared blob failed: %s",
                          share.call.prefix(), err)
             return
+        if seen is not None:
+            with self._lock:
+                self._regulars[share.call.what] = seen
         if not pending:
             self._release(share)
 
