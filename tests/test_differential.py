@@ -495,6 +495,14 @@ LATE_RANK0 = Scenario(
         {"name": "model-8s", "op": "model", "repo": "late/a", "sleep_before_s": {"0": 8}},
         {"name": "tokenizer-30s", "op": "tokenizer", "repo": "late/b",
          "sleep_before_s": {"0": 30}},
+        # Rank 0 downloads a file the others never ask for (library code does that at top level
+        # when the cache lacks a file, which a follower finds there: a pipeline's
+        # adapter_config.json probe), then comes 3 s late to a load: it still leads it (the
+        # others took its download for a call made in place of theirs and led it).
+        {"name": "rank0-download", "op": "hf_hub_download", "repo": "late/b",
+         "filenames": ["generation_config.json"], "ranks": [0]},
+        {"name": "config-after-download", "op": "config", "repo": "late/b",
+         "sleep_before_s": {"0": 3}},
         # Rank 1 asks the cache only (local_files_only=True) for a repo no rank has downloaded,
         # the others come 3 s later: it raises at once, as plain, and never waits for rank 0's
         # download to fill the cache (its call makes no request to share).

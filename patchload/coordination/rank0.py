@@ -15,11 +15,14 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    last call that rank 0 also made, at rank 0's position a and its own b, puts K at rank 0's
    ``a + (j - b)`` (so calls one rank makes alone shift nothing after the next shared call).
    An entry with another key there (past the keys this process calls too, from other threads
-   or in another order, and rank 0's calls it passed by before): rank 0 passed that position
-   with another call, it claims at once (results are equal whoever leads). No entry yet: rank
-   0 is behind, and it waits, unless rank 0's latest entry below that position is a call this
-   process neither made nor passed by (it counted calls rank 0 never made, such as one that
-   another rank led, and looks too far ahead): then rank 0 passed this call by too.
+   or in another order, rank 0's calls it passed by before, and rank 0's ``hf_hub_download``
+   calls, which library code makes only when the cache lacks the file, so that rank 0, filling
+   the cache first, makes some a follower skips): rank 0 passed that position with another
+   call, it claims at once (results are equal whoever leads). No entry yet: rank 0 is behind,
+   and it waits, unless rank 0's latest entry below that position (downloads stepped over
+   again) is a call this process neither made nor passed by (it counted calls rank 0 never
+   made, such as one that another rank led, and looks too far ahead): then rank 0 passed this
+   call by too.
 3. **Rank 0 shows it will not come.** Rank 0 also publishes ``ranks/<r>/state``: its pid and
    node, its process-level key parts (hub endpoint, offline mode, credentials digest, default
    hub cache), and while it lasts more than 0.2 s that it is blocked in one of the user's
@@ -94,6 +97,7 @@ _POLL_GROWTH: Final = 1.5
 _MAX_POLL_S: Final = 0.25
 _RECENT: Final = 2  # a rank's latest calls rank 0 has not made (yet), to anchor on later
 _PASSED_SCAN: Final = 16  # positions below the expected one a waiting rank looks at
+_CACHE_DEPENDENT: Final = frozenset({"hf_hub_download"})  # see _cache_dependent()
 _CREDENTIAL_CHECKS: Final = 8  # rank 0's calls at which it looks at the other ranks' credentials
 # Process-level key parts (coordination.key.process_state, and the default hub cache).
 FACTS: Final = ("__endpoint__", "__offline__", "__credentials__", "__cache__")
@@ -617,8 +621,12 @@ def _await(call: Call, bound_s: float, warning_s: float | None
                 at_key = f"seq/{placement.sequence}/{expected}"
                 with store.lock:
                     at = _read(store, at_key)
-                if at is None or at == base or not _placed_here(placement.sequence, at):
+                if at is None or at == base:
                     break
+                if not _placed_here(placement.sequence, at):
+                    if not _cache_dependent(at):
+                        break
+                    _account(placement.sequence, at)  # rank 0's own download: step over it
                 expected += 1
             if at == base:
                 _matched(placement, expected)
@@ -696,9 +704,20 @@ def _passed_below(store: JobStore, sequence: str, expected: int, floor: int) -> 
     for position in range(expected - 1, max(floor, expected - 1 - _PASSED_SCAN), -1):
         with store.lock:
             at = _read(store, f"seq/{sequence}/{position}")
-        if at is not None:
+        if at is not None and not _cache_dependent(at):
             return None if _placed_here(sequence, at) else at
     return None
+
+
+def _cache_dependent(key: str) -> bool:
+    """Whether ``key`` (a call's base) is a call that library code makes at top level only
+    when the cache lacks its file: transformers' ``cached_file`` calls ``hf_hub_download``
+    unless the file, or the 404 marker of an earlier try, is in the cache. Rank 0, which fills
+    the node's cache first, makes some such calls that a follower then skips (a pipeline's
+    ``adapter_config.json`` probe), so one of rank 0's entries of such a call never shows that
+    it passed a call by: it is stepped over."""
+    parts = key.split("/")
+    return len(parts) > 1 and parts[1] in _CACHE_DEPENDENT
 
 
 def _stop(state: dict[str, Any] | None, placement: Placement | None, rank0: int) -> str | None:
