@@ -20,7 +20,8 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    the cache first, makes some a follower skips): rank 0 passed that position with another
    call, it claims at once (results are equal whoever leads). No entry yet: rank 0 is behind,
    and it waits, unless rank 0's latest entry below that position (downloads stepped over
-   again) is a call this process neither made nor passed by (it counted calls rank 0 never
+   again; one at the place of a call of this process that did not wait for rank 0, such as one
+   reading the cache only, is no evidence) is a call this process neither made nor passed by (it counted calls rank 0 never
    made, such as one that another rank led, and looks too far ahead): then rank 0 passed this
    call by too.
 3. **Rank 0 shows it will not come.** Rank 0 also publishes ``ranks/<r>/state``: its pid and
@@ -83,8 +84,8 @@ if TYPE_CHECKING:
     from .._patching import Patch
     from .._topology import Topology
 
-__all__ = ["Placement", "await_rank0", "collective_patches", "following", "place",
-           "sample_collectives_when_imported", "scope_rank0", "world_collectives"]
+__all__ = ["Placement", "await_rank0", "collective_patches", "did_not_wait", "following",
+           "place", "sample_collectives_when_imported", "scope_rank0", "world_collectives"]
 
 logger = get_logger(__name__)
 
@@ -637,7 +638,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None
                 # Nothing there yet: rank 0 is behind, unless this process counted calls rank 0
                 # never made (its own alone, or led by another rank) and looks too far ahead,
                 # past where rank 0 already made another call.
-                at = _passed_below(store, placement.sequence, expected, anchor.theirs)
+                at = _passed_below(store, placement.sequence, expected, anchor)
             if at is not None:
                 _account(placement.sequence, at)
                 _gave_up(call, placement, f"rank {rank0} made another call at that point "
@@ -695,16 +696,24 @@ def _account(sequence: str, key: str) -> None:
             placed.popitem(last=False)
 
 
-def _passed_below(store: JobStore, sequence: str, expected: int, floor: int) -> str | None:
-    """Rank 0's latest published entry below ``expected`` (down to ``floor + 1``, the position
-    this process last matched) when it is a call this process has neither made nor passed by:
-    rank 0 made it where this call belongs, so it passed this call by. None when rank 0's
-    latest entry there is one this process knows (rank 0 is behind) or it has none there. One
-    store request per position rank 0 has not published yet, at most :data:`_PASSED_SCAN`."""
+def _passed_below(store: JobStore, sequence: str, expected: int, anchor: _Anchor) -> str | None:
+    """Rank 0's latest published entry below ``expected`` (down to ``anchor.theirs + 1``, the
+    position this process last matched) when it is a call this process has neither made nor
+    passed by: rank 0 made it where this call belongs, so it passed this call by. None when rank
+    0's latest entry there is one this process knows (rank 0 is behind) or it has none there.
+    Not evidence: rank 0's downloads (:func:`_cache_dependent`), and its entry at the place of
+    a call of this process that did not wait for it (one that reads the cache only, or one it
+    gave up on): that is the same point of both sequences, with other calls. One store request
+    per position rank 0 has not published yet, at most :data:`_PASSED_SCAN`."""
+    with _rank0().lock:
+        unmatched = {mine for mine, _ in anchor.recent}
+    floor = anchor.theirs
     for position in range(expected - 1, max(floor, expected - 1 - _PASSED_SCAN), -1):
         with store.lock:
             at = _read(store, f"seq/{sequence}/{position}")
         if at is not None and not _cache_dependent(at):
+            if anchor.mine + (position - floor) in unmatched:
+                return None
             return None if _placed_here(sequence, at) else at
     return None
 
@@ -803,8 +812,18 @@ def _poll(store: JobStore, key: str, timeout_s: float, poll_s: float) -> float:
 def _gave_up(call: Call, placement: Placement | None, reason: str, *, remember: bool) -> None:
     logger.debug("%s: not waiting for rank %d any longer: %s", call.prefix(), scope_rank0(call),
                  reason)
-    if remember and placement is not None:
-        here = _rank0()
-        with here.lock:
-            anchor = here.anchors[placement.sequence]
-            anchor.recent = [*anchor.recent, (placement.position, call.base)][-_RECENT:]
+    if remember:
+        did_not_wait(call)
+
+
+def did_not_wait(call: Call) -> None:
+    """Remember that this process made ``call`` without waiting for rank 0 (it reads the cache
+    only, or this process gave up on rank 0): a later wait re-anchors on it if rank 0 made it
+    too, and never takes rank 0's entry at its place for a call passed by. Not collective."""
+    placement = call.placement
+    if placement is None:
+        return
+    here = _rank0()
+    with here.lock:
+        anchor = here.anchors[placement.sequence]
+        anchor.recent = [*anchor.recent, (placement.position, call.base)][-_RECENT:]
