@@ -301,6 +301,9 @@ def record_hub_result(mode: Mode, name: str, args: tuple[Any, ...], kwargs: dict
     publishes it at once (see :func:`_add_pins`)."""
     if isinstance(result, BaseException):
         pin = None
+        # Why a follower's verification may later say "None here": what its own call raised.
+        logger.debug("%s(%s): recorded as absent: %s: %s", name, _pin_key(name, args, kwargs),
+                     type(result).__name__, str(result).split("\n", 1)[0])
     elif name == "resolve_revision":  # a str equal to the revision asked, holding the commit
         pin = [str(getattr(result, "resolved", result))]
     elif not isinstance(result, (str, os.PathLike)):
