@@ -485,6 +485,7 @@ def _late_setup(ctx: SetupContext) -> None:
     for i, collective in enumerate(RANK1_ALONE_COLLECTIVES):
         _llama(ctx, f"late/alone-{collective}", seed=(32, 60, 61)[i], with_tokenizer=False)
     _llama(ctx, "late/cached-only", seed=48, with_tokenizer=False)
+    _llama(ctx, "late/own", seed=62, with_tokenizer=False)
 
 
 # Rank 0 does its own work first (wandb.init(), rank-0-only data preparation); the others go
@@ -513,6 +514,17 @@ LATE_RANK0 = Scenario(
         {"name": "config-after-cache-only", "op": "config", "repo": "late/a",
          "sleep_before_s": {"0": 3}},
     ), Requests.ONE_PER_CACHE, setup=_late_setup)
+
+# Each rank downloads its own file (shard_<rank>) at the same point, rank 0 3 s late: rank 0's
+# download there shows the others that it made another call (its own file), so each makes its
+# own once rank 0 came, not after rank 0's next collective or PATCHLOAD_CLAIM_GRACE.
+OWN_FILES = Scenario(
+    "own-files", (
+        {"name": "shared-config", "op": "config", "repo": "late/own"},  # where ranks meet
+        {"name": "own-file", "op": "hf_hub_download", "repo": "late/own",
+         "filenames": ["config.json"], "sleep_before_s": {"0": 3},
+         "filenames_by_rank": {"1": ["generation_config.json"], "2": ["model.safetensors"]}},
+    ), Requests.TOTAL)
 
 # Rank 1 makes a call rank 0 never makes, then every rank enters a collective: rank 1 must not
 # wait for rank 0, which is blocked in it: a barrier (wrapped), an all_reduce (not wrapped:
@@ -1012,7 +1024,8 @@ BUSY_SENTENCE = Scenario(
 
 GROUPS = (
     Group("per-rank-caches", (STALE, OPTIONAL_FILE, COLD), homes="per-rank"),
-    Group("rank0-late", (LATE_RANK0, RANK1_ALONE), process_group=True, concurrent_plain=True),
+    Group("rank0-late", (LATE_RANK0, RANK1_ALONE, OWN_FILES), process_group=True,
+          concurrent_plain=True),
     Group("per-rank-tokens", (TOKENS_COLD, PER_RANK_TOKENS),
           variants={"shm": {}, "one-token": {}}),
     Group("gated", (GATED,), variants={"shm": {"PATCHLOAD_LOG_LEVEL": "INFO"}}),
@@ -1239,6 +1252,18 @@ def test_late_rank0_leads_every_call(harness: Harness) -> None:
     # failed as plain): it did not wait for rank 0, 3 s late.
     assert _call_s(patched, 1, "late-rank0/cache-only") < 1.5, \
         _call_s(patched, 1, "late-rank0/cache-only")
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_rank_downloading_its_own_file_goes_on_once_rank0_made_its_own(harness: Harness) -> None:
+    """Each rank downloads its own file at the same point, rank 0 3 s late: every rank makes its
+    own file's requests, and ranks 1-2 go on as soon as rank 0 came (its download there is
+    another call), not at rank 0's next collective or after ``PATCHLOAD_CLAIM_GRACE``."""
+    patched = harness.side("rank0-late", "shm")
+    assert set(requests_per_rank(patched, "own-files/own-file")) == {0, 1, 2}
+    for rank in (1, 2):
+        assert _call_s(patched, rank, "own-files/own-file") < 30.0, \
+            _call_s(patched, rank, "own-files/own-file")
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -15,15 +15,18 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    last call that rank 0 also made, at rank 0's position a and its own b, puts K at rank 0's
    ``a + (j - b)`` (so calls one rank makes alone shift nothing after the next shared call).
    An entry with another key there (past the keys this process calls too, from other threads
-   or in another order, rank 0's calls it passed by before, and rank 0's ``hf_hub_download``
-   calls, which library code makes only when the cache lacks the file, so that rank 0, filling
-   the cache first, makes some a follower skips): rank 0 passed that position with another
-   call, it claims at once (results are equal whoever leads). No entry yet: rank 0 is behind,
-   and it waits, unless rank 0's latest entry below that position (downloads stepped over
-   again; one at the place of a call of this process that did not wait for rank 0, such as one
-   reading the cache only, is no evidence) is a call this process neither made nor passed by (it counted calls rank 0 never
-   made, such as one that another rank led, and looks too far ahead): then rank 0 passed this
-   call by too.
+   or in another order, and rank 0's calls it passed by before): rank 0 passed that position
+   with another call, it claims at once (results are equal whoever leads). No entry yet: rank
+   0 is behind, and it waits, unless rank 0's latest entry below that position is a call this
+   process neither made nor passed by (it counted calls rank 0 never made, such as one that
+   another rank led, and looks too far ahead): then rank 0 passed this call by too. Neither
+   scan takes for such a call rank 0's ``hf_hub_download`` entries when this call is no
+   download itself (library code downloads at top level only when the cache lacks the file,
+   so rank 0, filling the cache first, makes some a follower skips: a pipeline's
+   ``adapter_config.json`` probe), nor rank 0's entry at the place of a call of this process
+   that did not wait for it (one that reads the cache only): the same point of both
+   sequences, with other calls. A download of a rank's own file (``shard_<rank>``) still
+   shows that rank 0 made another call there.
 3. **Rank 0 shows it will not come.** Rank 0 also publishes ``ranks/<r>/state``: its pid and
    node, its process-level key parts (hub endpoint, offline mode, credentials digest, default
    hub cache), and while it lasts more than 0.2 s that it is blocked in one of the user's
@@ -625,7 +628,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None
                 if at is None or at == base:
                     break
                 if not _placed_here(placement.sequence, at):
-                    if not _cache_dependent(at):
+                    if not (_cache_dependent(at) and not _cache_dependent(base)):
                         break
                     _account(placement.sequence, at)  # rank 0's own download: step over it
                 expected += 1
@@ -638,7 +641,8 @@ def _await(call: Call, bound_s: float, warning_s: float | None
                 # Nothing there yet: rank 0 is behind, unless this process counted calls rank 0
                 # never made (its own alone, or led by another rank) and looks too far ahead,
                 # past where rank 0 already made another call.
-                at = _passed_below(store, placement.sequence, expected, anchor)
+                at = _passed_below(store, placement.sequence, expected, anchor,
+                                   downloads=not _cache_dependent(base))
             if at is not None:
                 _account(placement.sequence, at)
                 _gave_up(call, placement, f"rank {rank0} made another call at that point "
@@ -696,12 +700,15 @@ def _account(sequence: str, key: str) -> None:
             placed.popitem(last=False)
 
 
-def _passed_below(store: JobStore, sequence: str, expected: int, anchor: _Anchor) -> str | None:
+def _passed_below(store: JobStore, sequence: str, expected: int, anchor: _Anchor, *,
+                  downloads: bool) -> str | None:
     """Rank 0's latest published entry below ``expected`` (down to ``anchor.theirs + 1``, the
     position this process last matched) when it is a call this process has neither made nor
     passed by: rank 0 made it where this call belongs, so it passed this call by. None when rank
     0's latest entry there is one this process knows (rank 0 is behind) or it has none there.
-    Not evidence: rank 0's downloads (:func:`_cache_dependent`), and its entry at the place of
+    Not evidence: rank 0's downloads (:func:`_cache_dependent`; with ``downloads``, when this
+    call is not one: one rank's own file, ``shard_<rank>``, is no download made in place of
+    another), and its entry at the place of
     a call of this process that did not wait for it (one that reads the cache only, or one it
     gave up on): that is the same point of both sequences, with other calls. One store request
     per position rank 0 has not published yet, at most :data:`_PASSED_SCAN`."""
@@ -711,7 +718,7 @@ def _passed_below(store: JobStore, sequence: str, expected: int, anchor: _Anchor
     for position in range(expected - 1, max(floor, expected - 1 - _PASSED_SCAN), -1):
         with store.lock:
             at = _read(store, f"seq/{sequence}/{position}")
-        if at is not None and not _cache_dependent(at):
+        if at is not None and not (downloads and _cache_dependent(at)):
             if anchor.mine + (position - floor) in unmatched:
                 return None
             return None if _placed_here(sequence, at) else at

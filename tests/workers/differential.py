@@ -420,7 +420,8 @@ def settle(record: dict[str, Any]) -> None:
 def op_hf_hub_download(step: dict[str, Any]) -> dict[str, Any]:
     from huggingface_hub import hf_hub_download
 
-    paths = [hf_hub_download(step["repo"], name, **_kwargs(step)) for name in step["filenames"]]
+    names = step.get("filenames_by_rank", {}).get(str(RANK), step["filenames"])
+    paths = [hf_hub_download(step["repo"], name, **_kwargs(step)) for name in names]
     return {"files": Later(step, lambda: [download_record(p) for p in paths])}
 
 
