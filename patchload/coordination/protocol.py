@@ -174,11 +174,8 @@ def _claim(call: Call, *, retry_failed: bool = True
     while True:
         narrowed = dataclasses.replace(call, key=f"{call.key}a{attempt}/", attempt=attempt)
         holder, waited = None, False
-        if attempt == 0 and call.topology.rank != _rank0.scope_rank0(call):
-            if call.cache_only:
-                _rank0.did_not_wait(call)
-            else:
-                holder, waited = _rank0.await_rank0(narrowed)
+        if attempt == 0 and not call.cache_only and call.topology.rank != _rank0.scope_rank0(call):
+            holder, waited = _rank0.await_rank0(narrowed)
         outcome = None
         with call.store.lock:
             if holder is None:  # await_rank0 saw no claim: make one (or learn who holds it)

@@ -23,9 +23,7 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    scan takes for such a call rank 0's ``hf_hub_download`` entries when this call is no
    download itself (library code downloads at top level only when the cache lacks the file,
    so rank 0, filling the cache first, makes some a follower skips: a pipeline's
-   ``adapter_config.json`` probe), nor rank 0's entry at the place of a call of this process
-   that did not wait for it (one that reads the cache only): the same point of both
-   sequences, with other calls. A download of a rank's own file (``shard_<rank>``) still
+   ``adapter_config.json`` probe). A download of a rank's own file (``shard_<rank>``) still
    shows that rank 0 made another call there.
 3. **Rank 0 shows it will not come.** Rank 0 also publishes ``ranks/<r>/state``: its pid and
    node, its process-level key parts (hub endpoint, offline mode, credentials digest, default
@@ -87,8 +85,8 @@ if TYPE_CHECKING:
     from .._patching import Patch
     from .._topology import Topology
 
-__all__ = ["Placement", "await_rank0", "collective_patches", "did_not_wait", "following",
-           "place", "sample_collectives_when_imported", "scope_rank0", "world_collectives"]
+__all__ = ["Placement", "await_rank0", "collective_patches", "following", "place",
+           "sample_collectives_when_imported", "scope_rank0", "world_collectives"]
 
 logger = get_logger(__name__)
 
@@ -641,7 +639,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None
                 # Nothing there yet: rank 0 is behind, unless this process counted calls rank 0
                 # never made (its own alone, or led by another rank) and looks too far ahead,
                 # past where rank 0 already made another call.
-                at = _passed_below(store, placement.sequence, expected, anchor,
+                at = _passed_below(store, placement.sequence, expected, anchor.theirs,
                                    downloads=not _cache_dependent(base))
             if at is not None:
                 _account(placement.sequence, at)
@@ -700,27 +698,20 @@ def _account(sequence: str, key: str) -> None:
             placed.popitem(last=False)
 
 
-def _passed_below(store: JobStore, sequence: str, expected: int, anchor: _Anchor, *,
+def _passed_below(store: JobStore, sequence: str, expected: int, floor: int, *,
                   downloads: bool) -> str | None:
-    """Rank 0's latest published entry below ``expected`` (down to ``anchor.theirs + 1``, the
-    position this process last matched) when it is a call this process has neither made nor
-    passed by: rank 0 made it where this call belongs, so it passed this call by. None when rank
-    0's latest entry there is one this process knows (rank 0 is behind) or it has none there.
-    Not evidence: rank 0's downloads (:func:`_cache_dependent`; with ``downloads``, when this
-    call is not one: one rank's own file, ``shard_<rank>``, is no download made in place of
-    another), and its entry at the place of
-    a call of this process that did not wait for it (one that reads the cache only, or one it
-    gave up on): that is the same point of both sequences, with other calls. One store request
-    per position rank 0 has not published yet, at most :data:`_PASSED_SCAN`."""
-    with _rank0().lock:
-        unmatched = {mine for mine, _ in anchor.recent}
-    floor = anchor.theirs
+    """Rank 0's latest published entry below ``expected`` (down to ``floor + 1``, the position
+    this process last matched) when it is a call this process has neither made nor passed by:
+    rank 0 made it where this call belongs, so it passed this call by. None when rank 0's
+    latest entry there is one this process knows (rank 0 is behind) or it has none there.
+    With ``downloads`` (this call is no download), rank 0's downloads are no evidence
+    (:func:`_cache_dependent`; one rank's own file, ``shard_<rank>``, is no download made in
+    place of another). One store request per position rank 0 has not published yet, at most
+    :data:`_PASSED_SCAN`."""
     for position in range(expected - 1, max(floor, expected - 1 - _PASSED_SCAN), -1):
         with store.lock:
             at = _read(store, f"seq/{sequence}/{position}")
         if at is not None and not (downloads and _cache_dependent(at)):
-            if anchor.mine + (position - floor) in unmatched:
-                return None
             return None if _placed_here(sequence, at) else at
     return None
 
@@ -819,18 +810,8 @@ def _poll(store: JobStore, key: str, timeout_s: float, poll_s: float) -> float:
 def _gave_up(call: Call, placement: Placement | None, reason: str, *, remember: bool) -> None:
     logger.debug("%s: not waiting for rank %d any longer: %s", call.prefix(), scope_rank0(call),
                  reason)
-    if remember:
-        did_not_wait(call)
-
-
-def did_not_wait(call: Call) -> None:
-    """Remember that this process made ``call`` without waiting for rank 0 (it reads the cache
-    only, or this process gave up on rank 0): a later wait re-anchors on it if rank 0 made it
-    too, and never takes rank 0's entry at its place for a call passed by. Not collective."""
-    placement = call.placement
-    if placement is None:
-        return
-    here = _rank0()
-    with here.lock:
-        anchor = here.anchors[placement.sequence]
-        anchor.recent = [*anchor.recent, (placement.position, call.base)][-_RECENT:]
+    if remember and placement is not None:
+        here = _rank0()
+        with here.lock:
+            anchor = here.anchors[placement.sequence]
+            anchor.recent = [*anchor.recent, (placement.position, call.base)][-_RECENT:]
