@@ -599,6 +599,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None
         anchor = _reanchor(store, placement.sequence)
         expected = anchor.theirs + (placement.position - anchor.mine)
     poll_s = _FIRST_POLL_S
+    steps_over_downloads = not _cache_dependent(base)  # see the module docstring, item 2
     while True:
         if matched:
             with store.lock:
@@ -626,7 +627,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None
                 if at is None or at == base:
                     break
                 if not _placed_here(placement.sequence, at):
-                    if not (_cache_dependent(at) and not _cache_dependent(base)):
+                    if not (steps_over_downloads and _cache_dependent(at)):
                         break
                     _account(placement.sequence, at)  # rank 0's own download: step over it
                 expected += 1
@@ -640,7 +641,7 @@ def _await(call: Call, bound_s: float, warning_s: float | None
                 # never made (its own alone, or led by another rank) and looks too far ahead,
                 # past where rank 0 already made another call.
                 at = _passed_below(store, placement.sequence, expected, anchor.theirs,
-                                   downloads=not _cache_dependent(base))
+                                   downloads=steps_over_downloads)
             if at is not None:
                 _account(placement.sequence, at)
                 _gave_up(call, placement, f"rank {rank0} made another call at that point "
