@@ -509,6 +509,10 @@ LATE_RANK0 = Scenario(
         # download to fill the cache (its call makes no request to share).
         {"name": "cache-only", "op": "config", "repo": "late/cached-only",
          "sleep_before_s": {"0": 3, "2": 3}, "kwargs_by_rank": {"1": {"local_files_only": True}}},
+        # Then rank 0 comes 3 s late to a load: rank 1 still waits for it (rank 0's online call
+        # at the place of rank 1's cache-only one is that call, not one made in place of this).
+        {"name": "config-after-cache-only", "op": "config", "repo": "late/a",
+         "sleep_before_s": {"0": 3}},
     ), Requests.ONE_PER_CACHE, setup=_late_setup)
 
 # Each rank downloads its own file (shard_<rank>) at the same point, rank 0 3 s late: rank 0's

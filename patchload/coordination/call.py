@@ -933,8 +933,13 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
         scope = hub_scope = "node"
     call = _coordinate.call_key(name, deciding, scope=scope or hub_scope, topology=topology,
                                 config=config, what=what, watch=_repo_folder(args, kwargs))
+    stands_for: tuple[str, ...] = ()
     if kwargs.get("local_files_only") is True or deciding["__offline__"] == "True":
         call = dataclasses.replace(call, cache_only=True)  # its plain call reads the cache now
+        if "local_files_only" in deciding:  # rank 0's same call online: where this one stands
+            online = {k: v for k, v in deciding.items() if k != "local_files_only"}
+            stands_for = tuple(_coordinate.key_with(call, name, each)
+                               for each in (online, {**online, "local_files_only": "False"}))
     # The process-level parts of the key, which rank 0 publishes: a rank whose parts differ
     # from rank 0's never waits for it (a call with a cache of its own: only that cache).
     facts = {part: deciding[part] for part in _rank0.FACTS if part in deciding
@@ -942,7 +947,7 @@ def _call_of(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
     # Not a key part (ranks with other credentials share what any credentials can fetch):
     # published by rank 0 and reported by every rank (.credentials).
     facts["__credentials__"] = credentials_digest()
-    return _rank0.place(call, nested=nested, facts=facts,
+    return _rank0.place(call, nested=nested, facts=facts, stands_for=stands_for,
                         metadata=name.startswith(_METADATA_PREFIX)), deciding
 
 

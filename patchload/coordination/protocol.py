@@ -47,7 +47,7 @@ from .reaper import KeyReaper, delete_keys
 from .store import job_store
 
 __all__ = ["Call", "LeaderView", "Role", "announcement", "call_key", "claim", "files_ready",
-           "finish", "leader_first", "leading", "node_leaders_call", "publish", "publish_pins",
+           "finish", "key_with", "leader_first", "leading", "node_leaders_call", "publish", "publish_pins",
            "raise_failure", "wait_outcome"]
 
 logger = get_logger(__name__)
@@ -112,6 +112,15 @@ def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topol
         count = calls.counts[base]
         calls.counts[base] += 1
     return Call(f"{base}/{count}/", what, scope, topology, config, job_store(), watch)
+
+
+def key_with(call: Call, name: str, deciding: dict[str, Any]) -> str:
+    """The key (before any attempt) that ``call`` would have with ``deciding`` in place of its
+    own arguments, at the same count: where a rank 0 that made the call with those arguments
+    (one count per distinct key, as :func:`call_key` counts) placed its counterpart."""
+    where = call.key.split("/", 1)[0]
+    count = call.key.rstrip("/").rsplit("/", 1)[1]
+    return f"{where}/{name}/{digest(name, deciding)}/{count}/"
 
 
 def node_leaders_call(call: Call) -> Call:

@@ -24,7 +24,10 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    download itself (library code downloads at top level only when the cache lacks the file,
    so rank 0, filling the cache first, makes some a follower skips: a pipeline's
    ``adapter_config.json`` probe). A download of a rank's own file (``shard_<rank>``) still
-   shows that rank 0 made another call there.
+   shows that rank 0 made another call there. A call of this process that reads the cache only
+   (``local_files_only=True``, which never waits) counts as rank 0's same call made online, at
+   the same count: the hand-made pattern "rank 0 loads, the others read the cache" leaves rank
+   0's entry of that load no sign of a call passed by.
 3. **Rank 0 shows it will not come.** Rank 0 also publishes ``ranks/<r>/state``: its pid and
    node, its process-level key parts (hub endpoint, offline mode, credentials digest, default
    hub cache), and while it lasts more than 0.2 s that it is blocked in one of the user's
@@ -457,7 +460,7 @@ def _rank0() -> _Rank0:
 
 
 def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
-          metadata: bool = False) -> Call:
+          metadata: bool = False, stands_for: tuple[str, ...] = ()) -> Call:
     """Count ``call`` in this process's sequence; on the scope's rank 0, publish it (before it
     claims). Not collective; never waits; a store failure only costs the others their wait.
 
@@ -468,6 +471,11 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
         metadata: a hub metadata call of user code (:mod:`patchload.patches.hub_api`), counted
             in a sequence of its own (``<namespace>/metadata``): a listing that one rank makes
             alone never shifts where the others look for rank 0's loads.
+        stands_for: the keys of rank 0's call that this one takes the place of (a call that
+            reads the cache only, where rank 0 makes the same call online: the hand-made
+            pattern "rank 0 loads, the others read the cache"): a later wait takes rank 0's
+            entry of one for this process's own call, not for a call rank 0 made in place of
+            the one waited for.
 
     Returns:
         ``call`` with its :class:`Placement`.
@@ -478,7 +486,8 @@ def place(call: Call, *, nested: bool, facts: dict[str, str] | None = None,
     with mine.lock:
         mine.positions[sequence] += 1
         position = mine.positions[sequence]
-    _account(sequence, call.key)
+    for key in (call.key, *stands_for):
+        _account(sequence, key)
     facts = facts or {}
     call = dataclasses.replace(call, placement=Placement(
         sequence, position, tuple(sorted(facts.items()))))
