@@ -16,7 +16,7 @@ demo: env
 test: test-tf5 test-tf4
 
 test-tf5: env
-	.venv/bin/python -m pytest -q --durations=25 tests
+	.venv/bin/python -m pytest -q -rs --durations=25 tests
 
 test-tf4: env-tf4
 	.venv-tf4/bin/python -m pytest -q -rs -m tf4 tests
