@@ -1014,6 +1014,12 @@ BUSY_COLD = Scenario(
     "busy-cold", (
         {"name": "tokenizer", "op": "tokenizer", "repo": "busy/cold"},
         {"name": "model", "op": "model", "repo": "busy/cold"},
+        # Every rank downloads into one local_dir (the ranks' shared working directory): a
+        # follower's rerun from the leader's files, offline, prints no huggingface_hub warning
+        # that plain, online, never prints ("Couldn't access the Hub to check for update").
+        {"name": "local-dir", "op": "hf_hub_download", "repo": "busy/cold",
+         "filenames": ["config.json", "tokenizer.json"], "kwargs": {"local_dir": "ld-one"},
+         "warnings": True},
     ), Requests.ONE_PER_CACHE, setup=_serve_llama("busy/cold", 50, max_shard_size="20KB"))
 
 BUSY_SENTENCE = Scenario(

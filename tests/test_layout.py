@@ -126,6 +126,7 @@ LAYERS: Final[dict[str, int]] = {
     "patchload.coordination.keys": COORDINATION,
     "patchload.coordination.reaper": COORDINATION,
     "patchload.coordination.load_state": COORDINATION,
+    "patchload.coordination.offline_notes": COORDINATION,
     "patchload.coordination.protocol": COORDINATION,
     "patchload.coordination.rank0": COORDINATION,
     "patchload.coordination.replay": COORDINATION,

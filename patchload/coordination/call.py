@@ -44,6 +44,7 @@ from . import replay as _replay
 from . import rng as _rng
 from .key import Unrenderable, credentials_digest, deciding_arguments, digest, process_state
 from .load_state import LoadState
+from .offline_notes import quiet_offline_fallbacks
 from .scope import download_scope
 from .store import job_store
 
@@ -551,7 +552,8 @@ class _Coordinated:
         try:
             if self.local:
                 self._check_local(mode)
-            with _replay.replaying(answers) if answers is not None else contextlib.nullcontext():
+            with _replay.replaying(answers) if answers is not None else contextlib.nullcontext(), \
+                    quiet_offline_fallbacks(mode.asked_offline or kwargs is self.kwargs):
                 result = self._run(mode, self.wrapped, kwargs)
             if not replayed:
                 result = _as_asked(result, mode.asked_offline)
@@ -859,8 +861,11 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
         return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **kwargs))
     if _leader_found_no_snapshot(mode, name, args, kwargs):
         return _recorded(mode, name, args, kwargs, _no_cached_snapshot)
-    return _recorded(mode, name, args, kwargs,
-                     lambda: _as_asked(wrapped(*args, **_offline(kwargs)), mode.asked_offline))
+    def offline() -> Any:
+        with quiet_offline_fallbacks(mode.asked_offline):
+            return _as_asked(wrapped(*args, **_offline(kwargs)), mode.asked_offline)
+
+    return _recorded(mode, name, args, kwargs, offline)
 
 
 def _leader_found_no_snapshot(mode: Mode, name: str, args: tuple[Any, ...],

@@ -320,7 +320,7 @@ def op_generation_config(step: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Warnings(logging.Handler):
-    """transformers' WARNING lines while a step runs (``warnings``: true)."""
+    """A library's WARNING lines while a step runs (``warnings``: true)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -421,8 +421,16 @@ def op_hf_hub_download(step: dict[str, Any]) -> dict[str, Any]:
     from huggingface_hub import hf_hub_download
 
     names = step.get("filenames_by_rank", {}).get(str(RANK), step["filenames"])
-    paths = [hf_hub_download(step["repo"], name, **_kwargs(step)) for name in names]
-    return {"files": Later(step, lambda: [download_record(p) for p in paths])}
+    caught = _Warnings()
+    library = logging.getLogger("huggingface_hub")
+    if step.get("warnings"):
+        library.addHandler(caught)
+    try:
+        paths = [hf_hub_download(step["repo"], name, **_kwargs(step)) for name in names]
+    finally:
+        library.removeHandler(caught)
+    extra = {"warnings": caught.lines} if step.get("warnings") else {}
+    return {"files": Later(step, lambda: [download_record(p) for p in paths]), **extra}
 
 
 def op_thread_pool(step: dict[str, Any]) -> dict[str, Any]:
