@@ -195,3 +195,24 @@ def test_other_datasets_cache_falls_back_to_a_plain_call(
         warnings = [line for line in record["lines"] if "making the call plainly" in line]
         assert len(warnings) == 1 and "caches" in warnings[0], record["lines"]
         assert len(record["arrow_writes"]) == 2, record["arrow_writes"]
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_a_plain_call_after_a_failed_follow_raises_the_plain_class(
+        ds_hub: LoopbackHub, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One relative ``data_files`` pattern, a working directory per rank, rank 2's folder
+    empty: followers cannot use the leader's result and make the call plainly. Rank 2 raises
+    what its plain call raises (``DatasetGenerationError``): the plain call runs outside the
+    handler of the follower's own failure, whose ``__context__`` datasets would unwrap
+    (``SchemaInferenceError`` before)."""
+    root = tmp_path_factory.mktemp("ds-cwd")
+    classes = {}
+    for mode, on in (("plain", "0"), ("patched", "1")):
+        env = job_env(ds_hub.endpoint, root / f"{mode}-home", root / mode, PATCHLOAD=on)
+        job = run_torchrun(ds_hub, "datasets_load", ["--steps", "rank_glob", "--per-rank-cwd"],
+                           nproc=3, env=env, timeout_s=JOB_TIMEOUT_S)
+        assert job.returncodes == [0], "\n".join(job.outputs)
+        records = [_record(job, rank, "rank_glob") for rank in range(3)]
+        classes[mode] = [None if r.get("ok") else r["error"]["type"] for r in records]
+    assert classes["patched"] == classes["plain"], classes
+    assert classes["plain"][2] is not None and classes["plain"][:2] == [None, None], classes

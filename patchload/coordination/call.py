@@ -549,6 +549,10 @@ class _Coordinated:
             kwargs = self.kwargs
         else:
             kwargs = _offline(self.kwargs) if self.hooks.offline_kwarg else self.kwargs
+        # A plain call after this rank's part failed runs once the handler ended: raised inside
+        # it, its own error would carry that failure as __context__, which some libraries read
+        # (datasets unwraps it into another exception class).
+        fallback: Exception | None = None
         try:
             if self.local:
                 self._check_local(mode)
@@ -567,8 +571,8 @@ class _Coordinated:
                 raise  # this rank's own interrupt (Ctrl-C, SystemExit), unchanged
             if isinstance(leader.raised, LeaderInterruptedError):
                 # Nothing to abandon: the leader never published a success (no broadcast).
-                return self._plain_after(call, role, leader.raised, rng)
-            if leader.raised is not None:
+                fallback = leader.raised
+            elif leader.raised is not None:
                 if self.hooks.abandon is not None and _leader_succeeded(mode):
                     # It timed out, then the leader published: leave its broadcast.
                     self.hooks.abandon(mode)
@@ -576,20 +580,24 @@ class _Coordinated:
                 # OSError of its own.
                 _take_leaders_rng(leader.raised, rng)
                 raise leader.raised from None
-            if not _leader_succeeded(mode):
+            elif not _leader_succeeded(mode):
                 if isinstance(leader.raised, LeaderInterruptedError):
-                    return self._plain_after(call, role, leader.raised, rng)
+                    fallback = leader.raised
                 # The leader's error, as on a rank that waited for it: it failed before its
                 # files, or after them where this rank loaded alongside it (its own offline
                 # calls then miss what the leader never fetched). A leader that died or went
                 # silent published no error: this rank's own stands.
-                if leader.failed_early() or (mode.load.alongside and leader.failed()):
+                elif leader.failed_early() or (mode.load.alongside and leader.failed()):
                     _take_leaders_rng(leader.raised, rng)
                     raise leader.raised from None
-                raise
-            if self.hooks.abandon is not None:
-                self.hooks.abandon(mode)  # e.g. a broadcast this rank is a member of
-            return self._plain_after(call, role, err, rng)
+                else:
+                    raise
+            else:
+                if self.hooks.abandon is not None:
+                    self.hooks.abandon(mode)  # e.g. a broadcast this rank is a member of
+                fallback = err
+        if fallback is not None:
+            return self._plain_after(call, role, fallback, rng)
         self.did = f"followed rank {role.leader_rank}: {_requests_note(mode)}" + \
             _weights_note(mode)
         return result
@@ -817,7 +825,9 @@ def coordinated(name: str, wrapped: Callable[..., Any], args: tuple[Any, ...],
             why = one._unshared(call, leader_rank, None)
             if why is None:
                 raise
-            return one.own_credentials(call, why)
+        # Outside the handler: the call among the ranks with this rank's credentials raises
+        # its own error, with no __context__ of the leader's (see _Coordinated.follow).
+        return one.own_credentials(call, why)
 
     start = time.monotonic()
     result = _recorded(mode, name, args, kwargs, run)

@@ -665,10 +665,13 @@ def leader_first(call: Call,
                 return follow(call, role, leader)
             try:
                 leader.payload()  # waits for the outcome; raises the leader's failure
+                stopped = None
             except LeaderInterruptedError as err:
                 if interrupted is None:
                     raise
-                return interrupted(call, role, err)
+                stopped = err
+            if stopped is not None:  # outside the handler: its error has no __context__
+                return interrupted(call, role, stopped)
         return follow(call, role, leader)
     finally:
         if early:

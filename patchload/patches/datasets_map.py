@@ -57,6 +57,8 @@ __all__ = ["map_patches"]
 
 logger = get_logger(__name__)
 
+_GONE: Final = object()  # the map's leader died, went silent or took too long
+
 
 @dataclasses.dataclass
 class _Probe:
@@ -255,6 +257,8 @@ def _coordinated_map(wrapped: Callable[..., Any], args: tuple[Any, ...],
         # The leader died, went silent or took too long: nothing of this map is the leader's
         # to give; this rank's plain map computes (or finds a file the leader did finish).
         logger.warning("%s: making the map plainly here", err)
+        result = _GONE
+    if result is _GONE:  # outside the handler: its error has no __context__ of patchload's
         with plain():
             return _plain_map(wrapped, args, kwargs)
     if followed:

@@ -35,6 +35,8 @@ STEPS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "missing_repo": (("org/ds-missing",), {}),
     "missing_file": (("org/ds-csv",), {"data_files": "nope.csv"}),
     "file_404": (("org/ds-404",), {}),
+    # With --per-rank-cwd: one relative pattern, a folder per rank (rank 2's empty).
+    "rank_glob": (("csv",), {"data_files": "sub/*.csv"}),
 }
 
 
@@ -61,7 +63,16 @@ def body(report: dict[str, Any]) -> None:
     parser.add_argument("--steps", default=",".join(STEPS))
     parser.add_argument("--per-rank-datasets-cache", action="store_true",
                         help="HF_DATASETS_CACHE=$HF_HOME/datasets-rank-<RANK> (one hub cache)")
+    parser.add_argument("--per-rank-cwd", action="store_true",
+                        help="work in $PLT_OUT/cwd-<RANK>, whose sub/ holds train.csv but on "
+                             "rank 2")
     args = parser.parse_args()
+    if args.per_rank_cwd:
+        cwd = _common.OUT / f"cwd-{_common.RANK}"
+        (cwd / "sub").mkdir(parents=True, exist_ok=True)
+        if _common.RANK != 2:
+            (cwd / "sub" / "train.csv").write_text("text,label\nx,1\ny,0\n")
+        os.chdir(cwd)
     if args.per_rank_datasets_cache:
         os.environ["HF_DATASETS_CACHE"] = str(Path(os.environ["HF_HOME"])
                                               / f"datasets-rank-{_common.RANK}")
