@@ -34,7 +34,7 @@ LLAMA_IDS = ("f/ok", "f/abort-once", "f/reset", "f/stall", "f/memerr", "f/kill-r
              "f/readonly", "f/pg-timeout", "f/threads", "f/loop", "f/shared-home",
              "f/enospc", "f/enospc-injected", "f/flock-enosys", "f/flock-noop", "f/bcast",
              "f/bcast-kill-follower", "f/bcast-kill-leader", "f/bcast-kill-waiting",
-             "f/bcast-raise-follower")
+             "f/bcast-raise-follower", "f/rank0-gone")
 SHARDED_IDS = ("f/shard404", "f/sharded")
 
 

@@ -496,6 +496,27 @@ def test_follower_killed_while_waiting(kill_job: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_rank0_gone_before_its_first_call_is_not_waited_for(
+        fault_hub: Any, folders: dict[str, Path], tmp_path: Path) -> None:
+    """Rank 0 exits (status 0: torchrun lets the others go on) before it makes any call, so it
+    never published a state or a pid; the others load at once, not after PATCHLOAD_CLAIM_GRACE
+    (120 s) per call: it is not among the processes torchrun started on this node any more.
+    One of them leads (its requests), the other follows, each with the checkpoint's weights."""
+    steps = [{"name": "gone", "repo": "f/rank0-gone", "ranks": [1, 2], "exits_first": 0},
+             {"name": "again", "repo": "f/ok", "ranks": [1, 2]}]
+    job = F.run_plan_torchrun(fault_hub, folders, steps, root=tmp_path, nproc=3, timeout_s=200)
+    assert job.returncodes == [0], "\n".join(job.outputs)
+    for step in ("gone", "again"):
+        records = step_records(job, step)
+        assert sorted(records) == [1, 2], F.describe(job, [step])
+        for rank, record in records.items():
+            assert_weights_ok(record, f"rank {rank} {step}")
+            assert record["elapsed_s"] < 30, (rank, step, record["elapsed_s"])
+        opened = [rank for rank, record in records.items() if record["opened"]]
+        assert len(opened) == 1, (step, opened)
+
+
+@pytest.mark.timeout(240)
 def test_leader_killed_while_reading_the_checkpoint(kill_job: dict[str, Any]) -> None:
     """Same host: followers watch the leader's pid and notice its death at once."""
     job = kill_job["job"]

@@ -7,7 +7,9 @@
 - **job**: the launcher's run id (torchrun, SLURM, Open MPI / PMIx) plus the rendezvous address;
   without any, the parent process and its start time.
 - **liveness**: a process on this node is alive while its pid exists and is not a zombie; a process
-  on another node cannot be watched here (its heartbeat speaks for it).
+  on another node cannot be watched here (its heartbeat speaks for it). A rank of this node whose
+  pid is unknown here (it never published one) is found among the processes its launcher
+  started, by the variable that names each one's rank.
 - **cache**: a hub cache directory by real path, whatever variable named it.
 """
 
@@ -21,7 +23,8 @@ from typing import Final
 
 import psutil
 
-__all__ = ["cache_identity", "job_id", "kernel_id", "node_id", "process_alive"]
+__all__ = ["cache_identity", "job_id", "kernel_id", "launched_rank_alive", "node_id",
+           "process_alive"]
 
 _BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
 
@@ -69,6 +72,48 @@ def process_alive(node: str, pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# Variables a launcher names each process's global rank by; those that name its job run.
+_RANK_VARIABLES: Final = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+_RUN_VARIABLES: Final = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
+                         "SLURM_STEP_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE",
+                         "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_rank_alive(rank: int, own_rank: int) -> bool | None:
+    """Whether global ``rank``, started on this node by this process's launcher, still runs.
+
+    The launcher is this process's nearest ancestor whose environment does not name this
+    process's rank (``own_rank``) in the variable that names it here (``RANK`` under torchrun;
+    a wrapper shell between them inherits it). Among the launcher's descendants of this job run
+    (the same run variables), a process whose variable names ``rank`` and is no zombie runs.
+
+    Returns:
+        True (it runs), False (no such process: it exited or died), or None (unknown: no
+        variable names this process's rank, or a process's environment cannot be read). The
+        caller asks only for a rank the launcher places on this node.
+    """
+    name = next((n for n in _RANK_VARIABLES if os.environ.get(n) == str(own_rank)), None)
+    if name is None:
+        return None
+    run = {n: os.environ[n] for n in _RUN_VARIABLES if n in os.environ}
+    try:
+        launcher = psutil.Process().parent()
+        while launcher is not None and launcher.environ().get(name) == str(own_rank):
+            launcher = launcher.parent()
+        if launcher is None:
+            return None
+        for process in launcher.children(recursive=True):
+            env = process.environ()
+            if env.get(name) == str(rank) and all(env.get(n) == v for n, v in run.items()) \
+                    and process.status() != psutil.STATUS_ZOMBIE:
+                return True
+    except psutil.NoSuchProcess:
+        return None  # one exited while looked at: look again later
+    except psutil.Error:  # an environment this process may not read
+        return None
+    return False
 
 
 def job_id() -> str:

@@ -37,9 +37,11 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    an object collective; none for another group's or a point-to-point one), or (for nested
    calls) that it waits as a follower of another rank's call, and at exit that it exited. A
    waiting rank claims at once when rank 0 is blocked, following (nested calls), exited or gone
-   (same node: its pid), or when its own key holds a process-level part that differs from rank
-   0's (another cache or endpoint: rank 0 can never make that key; credentials are not part
-   of a key, see :mod:`.credentials`). A waiting rank reads that state every 0.5 s and the key
+   (same node: its pid; a rank 0 that never published its state, because it made no call
+   before it exited or died, is looked for among the processes its launcher started on this
+   node, :func:`.identity.launched_rank_alive`), or when its own key holds a process-level
+   part that differs from rank 0's (another cache or endpoint: rank 0 can never make that key;
+   credentials are not part of a key, see :mod:`.credentials`). A waiting rank reads that state every 0.5 s and the key
    it waits for (rank 0's entry, or its claim) after 0.5 ms, then 1.5 times as long each time,
    at most every 0.25 s (and after 0.5 ms again once rank 0's entry for the call is there: its
    claim follows within a ms): about 6 store requests per second per waiting rank, only while
@@ -76,7 +78,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Final, Iterator
 
-from .identity import node_id, process_alive
+from .identity import launched_rank_alive, node_id, process_alive
 from .calls import Call, Placement
 from .sampler import CollectiveSampler
 from .. import _runtime
@@ -669,6 +671,9 @@ def _await(call: Call, bound_s: float, warning_s: float | None
             _gave_up(call, placement, differs, remember=False)
             return None, False
         reason = _stop(state, placement, rank0)
+        if state is None and reason is None and rank0 in call.topology.node_ranks() \
+                and launched_rank_alive(rank0, call.topology.rank) is False:
+            reason = f"rank {rank0}'s process is gone (it published no state: no call of its own)"
         if reason is not None:
             _gave_up(call, placement, reason, remember=not matched)
             return None, False

@@ -21,6 +21,8 @@ each step is a dict:
   watch its pid and must notice its death by its heartbeat stopping.
 * ``late_rank``: this rank calls only after the step's leader process is dead.
 * ``self_kill``: ``{"rank": r, "after_s": s}``: rank r SIGKILLs itself s seconds into its call.
+* ``exits_first``: this rank exits with status 0 at the step (leave it out of ``ranks``); a
+  first step, so that it made no call before.
 * ``truncate_cached``: (rank 0, before the call, no load) truncate the cached blob of every
   ``*.safetensors`` file of ``repo`` to half its size.
 * ``kind``: ``threads``: three threads of each rank load ``repo`` at once (each call is matched
@@ -405,6 +407,9 @@ def attempt(fn: Any) -> dict[str, Any]:
 def run_step(step: dict[str, Any], repos: dict[str, str], report: dict[str, Any]) -> None:
     name = step["name"]
     ranks = step.get("ranks", list(range(WORLD_SIZE)))
+    if RANK == step.get("exits_first"):  # gone with status 0 before it made any call
+        _common.write_report(report)
+        os._exit(0)
     if RANK not in ranks:
         return
     SYNC.barrier(f"{name}/start", ranks)
