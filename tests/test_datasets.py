@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 # The errors come first, on a cold cache: a data file pattern that matches nothing in a repo
 # whose data is cached already ends in datasets' "couldn't find cache" fallback instead.
 ERRORS = ("missing_file", "missing_repo", "file_404")
-LOADS = ("parquet", "csv", "json", "text_config", "revision", "local", "own_cache_dir")
+LOADS = ("parquet", "csv", "json", "text_config", "revision", "local", "own_cache_dir",
+         "features")
 STEPS = (*ERRORS, *LOADS, "streaming")
 JOB_TIMEOUT_S = 240
 

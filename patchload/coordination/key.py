@@ -24,6 +24,7 @@ characters per argument.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -128,6 +129,9 @@ def _render(value: Any, budget: _Budget) -> str:
         return f"{module}.{type(value).__qualname__}" + _render(data, budget)
     if isinstance(value, type):
         return f"class:{value.__module__}.{value.__qualname__}"
+    if dataclasses.is_dataclass(value):  # by its fields: datasets' feature types are callable
+        fields = {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
+        return f"{module}.{type(value).__qualname__}" + _render(fields, budget)
     if callable(value) or inspect.ismodule(value):
         raise Unrenderable(f"a {type(value).__name__} argument")
     try:

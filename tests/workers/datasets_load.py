@@ -35,6 +35,8 @@ STEPS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "missing_repo": (("org/ds-missing",), {}),
     "missing_file": (("org/ds-csv",), {"data_files": "nope.csv"}),
     "file_404": (("org/ds-404",), {}),
+    # features= (datasets' Features of Value types: dataclasses, callable), built in body().
+    "features": (("org/ds-csv",), {"split": "train", "features": "<Features>"}),
     # With --per-rank-cwd: one relative pattern, a folder per rank (rank 2's empty).
     "rank_glob": (("csv",), {"data_files": "sub/*.csv"}),
 }
@@ -96,6 +98,9 @@ def body(report: dict[str, Any]) -> None:
     barrier = _common.Barrier()
     for name in [s for s in args.steps.split(",") if s]:
         call_args, call_kwargs = STEPS[name]
+        if call_kwargs.get("features") == "<Features>":
+            call_kwargs = {**call_kwargs, "features": datasets.Features(
+                {"text": datasets.Value("string"), "label": datasets.Value("int64")})}
 
         def call(call_args: tuple[Any, ...] = call_args,
                  call_kwargs: dict[str, Any] = call_kwargs) -> dict[str, Any]:
