@@ -56,7 +56,10 @@ def _named(msg: object, args: tuple[Any, ...]) -> str:
     """``msg`` with ``patchload`` and, unless it (or its first ``%s`` argument) starts with one,
     this process's ``[rank r/N]`` in front (no ``%`` added: the arguments still fit)."""
     text = str(msg)
-    if _names_a_rank(text) or (text.startswith("%s") and args and _names_a_rank(args[0])):
+    first = args[0] if args else None
+    if isinstance(first, BaseException):  # a patchload error's message names its rank
+        first = str(first)
+    if _names_a_rank(text) or (text.startswith("%s") and _names_a_rank(first)):
         return f"{ROOT} {text}"
     from ._topology import current_topology
 

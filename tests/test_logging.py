@@ -85,3 +85,14 @@ def test_log_level_set_prints_each_event_once_in_patchload_s_format(configure):
                       "WARNING patchload [rank 0/1] a warning event 4"], lines
     assert doctor.startswith("logging: the patchload logger at INFO, to a handler of its own on "
                              "stderr (PATCHLOAD_LOG_LEVEL), not passed on to the root logger")
+
+
+def test_an_error_that_names_its_rank_is_not_named_twice():
+    """``logger.warning("%s: ...", err)`` where the error's message starts with its rank (every
+    patchload error's does): the line names the rank once."""
+    from patchload._logging import _named
+
+    err = RuntimeError("[rank 1/3] Dataset.map(-> x) (leader rank 0): the leader failed")
+    line = _named("%s: making the map plainly here", (err,)) % (err,)
+    assert line.startswith("patchload [rank 1/3] Dataset.map"), line
+    assert line.count("[rank 1/3]") == 1, line
