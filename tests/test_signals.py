@@ -75,10 +75,12 @@ def test_each_rank_says_what_it_did_and_a_waiting_follower_warns(
 @pytest.mark.timeout(300)
 def test_a_call_rank0_never_makes_costs_at_most_the_grace(hub: LoopbackHub,
                                                            tmp_path: Path) -> None:
-    """Rank 0 never makes the call and never opens the store (it returns at once, so it shows
-    nothing: no call, no collective, no exit published): after ``PATCHLOAD_CLAIM_GRACE`` (the
-    fallback bound, 2 s here) the first of the others to claim it leads; every rank gets the
-    config, one rank asks the hub."""
+    """Rank 0 never makes the call and never opens the store (alive, in no collective, until
+    the others made theirs, so it shows nothing: no call, no collective, no exit published):
+    after ``PATCHLOAD_CLAIM_GRACE`` (the fallback bound, 2 s here) the first of the others to
+    claim it leads; every rank gets the config, one rank asks the hub. (A rank 0 that exits
+    instead is not waited for: test_faults.py's
+    ``test_rank0_gone_before_its_first_call_is_not_waited_for``.)"""
     hub.add_repo("sig/alone", models.tiny_llama(tmp_path / "repo", with_tokenizer=False))
     env = job_env(hub.endpoint, tmp_path / "hf", tmp_path / "out", PATCHLOAD_CLAIM_GRACE="2")
     job = run_torchrun(hub, "signals", ["--without-rank0"], nproc=3, env=env,

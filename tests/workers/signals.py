@@ -1,6 +1,7 @@
 """Rank worker: one slow download and one config, for the log lines each rank prints.
 
-``--without-rank0``: rank 0 makes no call at all; the others load one config (timed).
+``--without-rank0``: rank 0 makes no call at all (it stays alive, in no collective, until the
+others made theirs); the others load one config (timed).
 
 ``--interrupt <repo>``: one ``AutoModelForCausalLM.from_pretrained(repo)`` that the test
 interrupts on some rank (SIGINT, or SIGTERM with a handler that raises ``SystemExit(3)``, as
@@ -43,6 +44,13 @@ def body(report: dict) -> None:
             start = time.monotonic()
             report["config"] = AutoConfig.from_pretrained("sig/alone").to_dict()
             report["elapsed_s"] = time.monotonic() - start
+            (OUT / f"called-{RANK}").touch()
+            return
+        # Alive, in no collective, until the others made theirs (an exited rank 0 is seen).
+        deadline = time.monotonic() + 120
+        while not all((OUT / f"called-{r}").exists() for r in (1, 2)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         return
     report["path"] = hf_hub_download("sig/slow", "model.safetensors")
     report["config"] = AutoConfig.from_pretrained("sig/slow").to_dict()
