@@ -871,6 +871,7 @@ def _nested(mode: Mode, name: str, wrapped: Callable[..., Any], args: tuple[Any,
         return _recorded(mode, name, args, kwargs, lambda: wrapped(*args, **kwargs))
     if _leader_found_no_snapshot(mode, name, args, kwargs):
         return _recorded(mode, name, args, kwargs, _no_cached_snapshot)
+
     def offline() -> Any:
         with quiet_offline_fallbacks(mode.asked_offline):
             return _as_asked(wrapped(*args, **_offline(kwargs)), mode.asked_offline)

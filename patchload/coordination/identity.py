@@ -74,10 +74,12 @@ def process_alive(node: str, pid: int) -> bool:
         return False
 
 
-# Variables a launcher names each process's global rank by; those that name its job run.
+# Variables a launcher names each process's global rank by; those that name its job run (the
+# launchers' run ids, their attempt, the rendezvous address: job_id's parts).
 _RANK_VARIABLES: Final = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
-_RUN_VARIABLES: Final = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
-                         "SLURM_STEP_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE",
+_RUN_IDS: Final = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid",
+                   "PMIX_NAMESPACE")
+_RUN_VARIABLES: Final = (*_RUN_IDS, "TORCHELASTIC_RESTART_COUNT", "SLURM_STEP_ID",
                          "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -124,8 +126,7 @@ def job_id() -> str:
     """
     env = os.environ
     run = None
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid",
-                 "PMIX_NAMESPACE"):
+    for name in _RUN_IDS:
         if env.get(name):
             attempt = env.get("TORCHELASTIC_RESTART_COUNT", "") + env.get("SLURM_STEP_ID", "")
             run = f"{env[name]}.{attempt}"

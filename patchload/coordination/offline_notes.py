@@ -46,13 +46,14 @@ class _OnThisThread(logging.Filter):
 
 
 @contextlib.contextmanager
-def quiet_offline_fallbacks(asked_offline: bool) -> Iterator[None]:
+def quiet_offline_fallbacks(plain_prints_them: bool) -> Iterator[None]:
     """While the block runs on this thread, drop huggingface_hub's offline-fallback warnings
-    (see the module docstring), unless the caller asked offline itself (``asked_offline``).
-    Other threads' records pass untouched; the filters are removed after the block."""
+    (see the module docstring), unless ``plain_prints_them`` (the caller asked offline itself,
+    or the block runs as asked, not offline). Other threads' records pass untouched; the
+    filters are removed after the block."""
     from huggingface_hub import constants
 
-    if asked_offline or constants.HF_HUB_OFFLINE:  # plain is offline too: it prints them
+    if plain_prints_them or constants.HF_HUB_OFFLINE:  # plain is offline too: it prints them
         yield
         return
     added = []

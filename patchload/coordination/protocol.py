@@ -47,8 +47,8 @@ from .reaper import KeyReaper, delete_keys
 from .store import job_store
 
 __all__ = ["Call", "LeaderView", "Role", "announcement", "call_key", "claim", "files_ready",
-           "finish", "key_with", "leader_first", "leading", "node_leaders_call", "publish", "publish_pins",
-           "raise_failure", "wait_outcome"]
+           "finish", "key_with", "leader_first", "leading", "node_leaders_call", "publish",
+           "publish_pins", "raise_failure", "wait_outcome"]
 
 logger = get_logger(__name__)
 
@@ -106,12 +106,17 @@ def call_key(name: str, deciding: dict[str, Any], *, scope: str, topology: Topol
     # two PID namespaces of one host share its files (their liveness is the heartbeat's).
     where = ("node-" + digest("node", {"kernel": kernel_id(), "index": str(topology.node)})
              if scope == "node" else "job")
-    base = f"{where}/{name}/{digest(name, deciding)}"
+    base = _base(where, name, deciding)
     calls = _calls()
     with calls.lock:
         count = calls.counts[base]
         calls.counts[base] += 1
     return Call(f"{base}/{count}/", what, scope, topology, config, job_store(), watch)
+
+
+def _base(where: str, name: str, deciding: dict[str, Any]) -> str:
+    """A call's key without its count: its namespace, function and arguments' digest."""
+    return f"{where}/{name}/{digest(name, deciding)}"
 
 
 def key_with(call: Call, name: str, deciding: dict[str, Any]) -> str:
@@ -120,7 +125,7 @@ def key_with(call: Call, name: str, deciding: dict[str, Any]) -> str:
     (one count per distinct key, as :func:`call_key` counts) placed its counterpart."""
     where = call.key.split("/", 1)[0]
     count = call.key.rstrip("/").rsplit("/", 1)[1]
-    return f"{where}/{name}/{digest(name, deciding)}/{count}/"
+    return f"{_base(where, name, deciding)}/{count}/"
 
 
 def node_leaders_call(call: Call) -> Call:

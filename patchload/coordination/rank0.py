@@ -41,12 +41,12 @@ every coordinated call it makes. No wall-clock grace decides that on the common 
    before it exited or died, is looked for among the processes its launcher started on this
    node, :func:`.identity.launched_rank_alive`), or when its own key holds a process-level
    part that differs from rank 0's (another cache or endpoint: rank 0 can never make that key;
-   credentials are not part of a key, see :mod:`.credentials`). A waiting rank reads that state every 0.5 s and the key
-   it waits for (rank 0's entry, or its claim) after 0.5 ms, then 1.5 times as long each time,
-   at most every 0.25 s (and after 0.5 ms again once rank 0's entry for the call is there: its
-   claim follows within a ms): about 6 store requests per second per waiting rank, only while
-   rank 0 is behind. Reads, not a store wait: a store wait that times out prints c10d warnings
-   on stderr.
+   credentials are not part of a key, see :mod:`.credentials`). A waiting rank reads that
+   state every 0.5 s and the key it waits for (rank 0's entry, or its claim) after 0.5 ms,
+   then 1.5 times as long each time, at most every 0.25 s (and after 0.5 ms again once rank
+   0's entry for the call is there: its claim follows within a ms): about 6 store requests per
+   second per waiting rank, only while rank 0 is behind. Reads, not a store wait: a store
+   wait that times out prints c10d warnings on stderr.
 4. **Fallback.** A rank 0 that is alive, behind and not blocked is waited for at most
    ``PATCHLOAD_CLAIM_GRACE`` seconds (120), with a WARNING every ``PATCHLOAD_PROGRESS_WARNING``
    seconds saying what it waits for. ``PATCHLOAD_CLAIM_GRACE=0``: nobody waits; the first rank
